@@ -1,0 +1,45 @@
+"""Exception classes: one per kind of failure a user can cause.
+
+Every user-facing error carries a one-line message that names the file, node or field,
+what is wrong, and how to fix it. The CLI prints ``error: <message>`` and exits 1;
+only bugs in draftflow itself produce a traceback.
+"""
+
+from __future__ import annotations
+
+
+class DraftflowError(Exception):
+    """Raised for any problem the user can fix; the CLI prints it without a traceback."""
+
+    exit_code = 1
+
+
+class SpecError(DraftflowError):
+    """Raised when a graph YAML file is malformed, has unknown keys or wrong types."""
+
+
+class PluginError(DraftflowError):
+    """Raised when a plugin cannot be imported, implements an unknown hook, or declares an invalid manifest."""
+
+
+class CheckError(DraftflowError):
+    """Raised when static graph checks find problems; carries every problem at once."""
+
+    def __init__(self, problems, graph_name: str = "graph"):
+        self.problems = sorted(problems)
+        self.graph_name = graph_name
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in {graph_name}:"
+        super().__init__("\n".join([head] + ["  " + p.render() for p in self.problems]))
+
+
+class ModelFormatError(DraftflowError):
+    """Raised when a checkpoint or its config is missing, corrupt, or disagrees with itself."""
+
+
+class RequestError(DraftflowError):
+    """Raised when a generation request is invalid: prompt past the context, ids outside the vocabulary, bad sampling values."""
+
+
+class OwnershipError(DraftflowError):
+    """Raised in debug mode when a node writes a buffer it does not own."""

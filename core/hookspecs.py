@@ -1,0 +1,60 @@
+"""The whole plugin contract of draftflow, sectioned by phase.
+
+A plugin is a module (or object) with functions named like the hooks below, marked with
+``@draftflow.core.hookspecs.hookimpl``, published under the entry-point group
+``draftflow``. Built-in nodes register through exactly the same group. Every hook here is
+documented in docs/PLUGINS.md (a test enforces it). Implementations of hooks that are not
+declared here are rejected when plugins load.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "draftflow"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --- register -------------------------------------------------------------------------
+@hookspec
+def draftflow_register_nodes(registry):
+    """Add node types to the registry.
+
+    :param registry: the ``draftflow.core.registry.Registry``; call
+        ``registry.add_node_type(NodeType(...))`` once per node type.
+    :return: ignored. All implementations are called.
+    """
+
+
+# --- check ----------------------------------------------------------------------------
+@hookspec
+def draftflow_add_checks(registry):
+    """Add static graph checks that run before anything is allocated.
+
+    :param registry: the ``Registry``; call ``registry.add_check(name, fn)`` where
+        ``fn(plan) -> Iterable[Problem]`` inspects a ``draftflow.core.plan.GraphPlan``.
+    :return: ignored. All implementations are called.
+    """
+
+
+# --- trace ----------------------------------------------------------------------------
+@hookspec
+def draftflow_cycle_event(event):
+    """Receive one ``draft_cycle`` event, after the cycle has committed (a trace sink).
+
+    :param event: a dict with the fields documented in docs/TRACING.md (request_id, cycle,
+        position, anchor, draft, accepted, emitted, draft_ms, verify_ms, commit_ms, ...).
+        Treat it as read-only.
+    :return: ignored. All implementations are called, outside the timed part of the cycle.
+    """
+
+
+@hookspec
+def draftflow_request_event(event):
+    """Receive one ``request_done`` event when a request finishes (a trace sink).
+
+    :param event: a dict with request_id, tokens, cycles, tau, acceptance_rate,
+        per_position_acceptance, tokens_per_s, ttft_s, finish_reason. Read-only.
+    :return: ignored. All implementations are called.
+    """

@@ -1,0 +1,153 @@
+"""Manifests: what a node declares about itself before anything is allocated.
+
+A manifest is frozen attrs data computed from the node's parameters and the graph's
+device/dtype. The static checks (``draftflow.core.checks``) read only manifests, so every
+problem in a graph is found before a tensor exists.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import attrs
+import torch
+
+from draftflow.core.ports import PORT_TYPES
+
+ROLES = ("target", "drafter", "selector", "verifier", "other")
+LIFETIMES = ("persistent", "request", "cycle")
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+# Symbolic dimension resolved by the VRAM planner: the KV capacity in tokens.
+KV_TOKENS = "kv_tokens"
+_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_CAPABILITY = re.compile(r"^[a-z0-9_.>=<-]+$")
+
+
+def _identifier(_inst, attribute, value):
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"{attribute.name} {value!r} must be a lowercase identifier like 'kv_cache'")
+
+
+def _capabilities(_inst, attribute, value):
+    for cap in value:
+        if not isinstance(cap, str) or not _CAPABILITY.match(cap):
+            raise ValueError(f"{attribute.name} entry {cap!r} is not a capability name like 'kv.grow'")
+
+
+def _non_negative(_inst, attribute, value):
+    if value is not None and (not isinstance(value, int) or value < 0):
+        raise ValueError(f"{attribute.name} must be a non-negative integer of bytes, got {value!r}")
+
+
+@attrs.frozen
+class Port:
+    """An input or output of a node. ``carried`` inputs read the previous cycle's value."""
+
+    name: str = attrs.field(validator=_identifier)
+    type: str = attrs.field(validator=attrs.validators.in_(tuple(PORT_TYPES)))
+    required: bool = True
+    carried: bool = False
+    doc: str = ""
+
+
+@attrs.frozen
+class BufferSpec:
+    """A tensor a node owns: allocated by the executor from this description.
+
+    ``shape`` entries are ints or the symbol ``"kv_tokens"`` (resolved by the planner).
+    ``preallocate=False`` marks a buffer the node grows itself (counted at its maximum).
+    """
+
+    name: str = attrs.field(validator=_identifier)
+    shape: tuple = attrs.field(converter=tuple)
+    dtype: str = attrs.field(validator=attrs.validators.in_(tuple(DTYPES)))
+    lifetime: str = attrs.field(default="persistent", validator=attrs.validators.in_(LIFETIMES))
+    preallocate: bool = True
+    doc: str = ""
+
+    @shape.validator
+    def _check_shape(self, attribute, value):
+        for dim in value:
+            if not (dim == KV_TOKENS or (isinstance(dim, int) and dim >= 0)):
+                raise ValueError(f"buffer {self.name!r} dimension {dim!r} must be an int >= 0 or {KV_TOKENS!r}")
+
+    def resolved_shape(self, kv_tokens: int | None) -> tuple[int, ...]:
+        if KV_TOKENS in self.shape and kv_tokens is None:
+            raise ValueError(f"buffer {self.name!r} needs a KV capacity that was not planned")
+        return tuple(kv_tokens if d == KV_TOKENS else d for d in self.shape)
+
+    def bytes_per_kv_token(self) -> int:
+        """Bytes this buffer adds per token of KV capacity (0 if it has no kv_tokens dim)."""
+        if KV_TOKENS not in self.shape:
+            return 0
+        return math.prod(1 if d == KV_TOKENS else d for d in self.shape) * _itemsize(self.dtype)
+
+    def nbytes(self, kv_tokens: int | None) -> int:
+        return math.prod(self.resolved_shape(kv_tokens)) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+@attrs.frozen
+class Incompatibility:
+    """This node cannot run in a graph where some node provides ``capability``."""
+
+    capability: str
+    reason: str
+
+
+@attrs.frozen
+class Vram:
+    """Declared device memory. KV bytes come from buffers with a ``kv_tokens`` dimension."""
+
+    weights: int = attrs.field(default=0, validator=_non_negative)
+    scratch: int = attrs.field(default=0, validator=_non_negative)
+
+
+@attrs.frozen
+class Manifest:
+    """Everything the graph checks need to know about one node, before allocation."""
+
+    role: str = attrs.field(validator=attrs.validators.in_(ROLES))
+    inputs: tuple[Port, ...] = attrs.field(default=(), converter=tuple)
+    outputs: tuple[Port, ...] = attrs.field(default=(), converter=tuple)
+    owns: tuple[BufferSpec, ...] = attrs.field(default=(), converter=tuple)
+    reads: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    writes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    vram: Vram = attrs.field(factory=Vram)
+    provides: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, validator=_capabilities)
+    requires: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, validator=_capabilities)
+    incompatible: tuple[Incompatibility, ...] = attrs.field(default=(), converter=tuple)
+    # Upper bound of tokens the node can hold (target: context limit); None = unbounded.
+    max_tokens: int | None = None
+
+    def __attrs_post_init__(self):
+        for group in ("inputs", "outputs", "owns"):
+            names = [item.name for item in getattr(self, group)]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"{group} declares {', '.join(dup)} more than once")
+
+    def input(self, name: str) -> Port | None:
+        return next((p for p in self.inputs if p.name == name), None)
+
+    def output(self, name: str) -> Port | None:
+        return next((p for p in self.outputs if p.name == name), None)
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(b.bytes_per_kv_token() for b in self.owns)
+
+    def fixed_buffer_bytes(self) -> int:
+        return sum(b.nbytes(None) for b in self.owns if KV_TOKENS not in b.shape)

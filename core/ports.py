@@ -1,0 +1,64 @@
+"""Port types: what may flow along an edge of a decode graph.
+
+An edge joins an output port to an input port of the same type. The value types are the
+attrs classes below; their tensors keep shape comments so plugin authors know the layout.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+# type name -> one-line description (documented in docs/GRAPHS.md)
+PORT_TYPES: dict[str, str] = {
+    "proposal": "draft tokens for this cycle, with optional draft probabilities (Proposal)",
+    "logits": "target logits over the verify window [anchor, drafts...] (TargetOutput)",
+    "features": "target feature taps of committed tokens, carried to the next cycle (Features)",
+    "verdict": "accepted count and emitted tokens for this cycle (Verdict)",
+    "candidates": "top-C candidate ids and scores per draft row (Candidates)",
+}
+
+
+@attrs.define
+class Proposal:
+    """Draft tokens for one cycle. ``probs`` is None for deterministic drafts (one-hot q)."""
+
+    tokens: torch.Tensor  # [B, K] int64
+    probs: torch.Tensor | None = None  # [B, K, V] full q, or [B, K, C] with candidate_ids
+    candidate_ids: torch.Tensor | None = None  # [B, K, C] int64
+
+    @property
+    def num_draft(self) -> int:
+        return self.tokens.shape[1]
+
+
+@attrs.define
+class TargetOutput:
+    """Target logits for the verify window: row 0 scores the token after the anchor."""
+
+    logits: torch.Tensor  # [B, K+1, V] float32
+
+
+@attrs.define
+class Features:
+    """Feature taps (hidden states after chosen target layers) for a run of positions."""
+
+    hidden: torch.Tensor  # [B, T, n_taps * H]
+    start: int  # sequence position of row 0
+
+
+@attrs.define
+class Candidates:
+    """Top-C candidates per draft row, for selector nodes."""
+
+    ids: torch.Tensor  # [B, K, C] int64
+    scores: torch.Tensor  # [B, K, C]
+    hidden: torch.Tensor | None = None  # [B, K, H]
+
+
+@attrs.define
+class Verdict:
+    """Verifier result. ``accepted``/``emitted`` stay on the device; the executor reads them once."""
+
+    accepted: torch.Tensor  # [B] int64
+    emitted: torch.Tensor  # [B, K+1] int64, padded with -1

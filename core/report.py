@@ -1,0 +1,66 @@
+"""Human-readable rendering of a checked plan: order, edges, buffers, the VRAM table."""
+
+from __future__ import annotations
+
+from draftflow.core.budget import fmt_bytes
+from draftflow.core.plan import GraphPlan
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    return ["  " + fmt.format(*headers).rstrip()] + ["  " + fmt.format(*map(str, r)).rstrip() for r in rows]
+
+
+def render_plan(plan: GraphPlan) -> str:
+    spec = plan.spec
+    lines = [f"graph {spec.name} ({spec.source}): OK", f"device {spec.device}, dtype {spec.dtype}, num_draft {spec.num_draft}", ""]
+    lines.append("execution order: " + " -> ".join(f"{n} [{plan.nodes[n].node_type.name}, {plan.nodes[n].manifest.role}]" for n in plan.order))
+    lines.append("")
+    lines.append("edges:")
+    for e in sorted(plan.edges):
+        lines.append(f"  {e.render()}" + ("  (auto-wired)" if e.where == "auto" else ""))
+    if plan.buffers:
+        lines.append("")
+        lines.append("buffers:")
+        rows = [[b.name, ",".join(b.owners) or "-", ",".join(b.readers) or "-", fmt_bytes(b.nbytes)] for b in plan.buffers.values()]
+        lines += _table(["name", "owner", "readers", "bytes"], rows)
+    if plan.vram is not None:
+        v = plan.vram
+        lines.append("")
+        lines.append(f"VRAM plan (budget {fmt_bytes(v.budget)}):")
+        rows = [[r.node, fmt_bytes(r.weights), fmt_bytes(r.kv), fmt_bytes(r.scratch), fmt_bytes(r.total)] for r in v.rows]
+        rows.append(["total", fmt_bytes(sum(r.weights for r in v.rows)), fmt_bytes(sum(r.kv for r in v.rows)),
+                     fmt_bytes(sum(r.scratch for r in v.rows)), fmt_bytes(v.total)])
+        lines += _table(["node", "weights", "kv", "scratch", "total"], rows)
+        if v.kv_tokens is not None:
+            lines.append(f"  KV cache: {v.kv_tokens} tokens (limited by {v.kv_limit_reason})")
+    return "\n".join(lines)
+
+
+def draw_plan(plan: GraphPlan, path: str) -> None:
+    """Render the graph to an image: solid arrows within a cycle, dashed for carried edges."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import networkx as nx
+
+    g = plan.graph
+    layers = {n: i for i, n in enumerate(plan.order)}
+    pos = {n: (layers[n], (i % 2) * 0.6) for i, n in enumerate(plan.order)}
+    fig, ax = plt.subplots(figsize=(2.6 * max(len(g), 2), 3.2))
+    colors = {"target": "#8ecae6", "drafter": "#ffb703", "selector": "#fb8500", "verifier": "#90be6d", "other": "#cccccc"}
+    nx.draw_networkx_nodes(g, pos, ax=ax, node_size=2600, node_color=[colors[plan.nodes[n].manifest.role] for n in g])
+    nx.draw_networkx_labels(g, pos, ax=ax, labels={n: f"{n}\n{plan.nodes[n].node_type.name}" for n in g}, font_size=8)
+    solid = [(u, v) for u, v, d in g.edges(data=True) if not d["carried"]]
+    dashed = [(u, v) for u, v, d in g.edges(data=True) if d["carried"]]
+    nx.draw_networkx_edges(g, pos, ax=ax, edgelist=solid, node_size=2600, arrowsize=16)
+    nx.draw_networkx_edges(g, pos, ax=ax, edgelist=dashed, node_size=2600, arrowsize=16, style="dashed",
+                           connectionstyle="arc3,rad=0.35")
+    nx.draw_networkx_edge_labels(g, pos, ax=ax, edge_labels={(u, v): d["label"] for u, v, d in g.edges(data=True)}, font_size=7)
+    ax.set_title(f"{plan.spec.name}: dashed = carried to the next cycle")
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

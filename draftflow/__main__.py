@@ -1,0 +1,5 @@
+import sys
+
+from draftflow.core.cli import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""The oracle drafter, for testing: proposes a known continuation, with errors where asked.
+
+Given the reference continuation of the prompt (usually target-only greedy output), it
+proposes ``reference[g : g+K]`` where ``g`` tokens have been generated so far, replacing
+the token by a wrong one at chosen output positions (``errors``) or at chosen draft
+indices of every cycle (``wrong_draft_index``; ``[0]`` makes the first candidate always
+wrong). Past the end of the reference it proposes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftflow.core.hookspecs import hookimpl
+from draftflow.core.manifest import Manifest, Port
+from draftflow.core.node import Node
+from draftflow.core.params import ParamSpec
+from draftflow.core.ports import Proposal
+from draftflow.core.registry import NodeType
+
+PARAMS = (
+    ParamSpec("reference", "int_list", help="token ids that continue the prompt"),
+    ParamSpec("errors", "int_list", [], "output positions (0-based) whose proposal is wrong"),
+    ParamSpec("wrong_draft_index", "int_list", [], "draft indices made wrong in every cycle"),
+    ParamSpec("vocab", "int", 0, "vocabulary size for wrong tokens (0: any id, wrong = reference + 1)"),
+)
+
+
+def manifest(params, env) -> Manifest:
+    return Manifest(role="drafter", outputs=(Port("proposal", "proposal"),))
+
+
+class Oracle(Node):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        p = ctx.params
+        self.reference = list(p["reference"])
+        self.errors = set(p["errors"])
+        self.wrong_index = set(p["wrong_draft_index"])
+        self.vocab = p["vocab"]
+
+    def _wrong(self, tok: int) -> int:
+        return (tok + 1) % self.vocab if self.vocab else tok + 1
+
+    def step(self, req, inputs):
+        g = len(req.tokens) - req.prompt_len
+        drafts = self.reference[g:g + req.num_draft]
+        drafts = [self._wrong(t) if (g + j) in self.errors or j in self.wrong_index else t for j, t in enumerate(drafts)]
+        tokens = torch.tensor(drafts, dtype=torch.long, device=self.ctx.device).reshape(1, len(drafts))  # [1, K]
+        return {"proposal": Proposal(tokens)}
+
+
+@hookimpl
+def draftflow_register_nodes(registry):
+    registry.add_node_type(NodeType(
+        name="oracle", role="drafter", manifest=manifest, factory=Oracle, params=PARAMS,
+        description="test drafter: proposes a reference continuation with injected errors"))
