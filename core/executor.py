@@ -86,29 +86,30 @@ class Executor:
 
     # --- allocation ---------------------------------------------------------------------
     def _allocate(self) -> None:
-        all_buffers: dict[str, torch.Tensor] = {}
+        # Every owned buffer first, so a node may read a buffer whose owner runs after it.
+        for name in self.order:
+            m = self.plan.nodes[name].manifest
+            self.owned[name] = {b.name: torch.zeros(b.resolved_shape(self.kv_tokens), dtype=DTYPES[b.dtype], device=self.device)
+                                for b in m.owns if b.preallocate}
+        all_buffers = {b: t for owned in self.owned.values() for b, t in owned.items()}
         for name in self.order:
             resolved = self.plan.nodes[name]
             m = resolved.manifest
+            owned = self.owned[name]
             before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-            owned = {b.name: torch.zeros(b.resolved_shape(self.kv_tokens), dtype=DTYPES[b.dtype], device=self.device)
-                     for b in m.owns if b.preallocate}
-            all_buffers.update(owned)
-            self.owned[name] = owned
             ctx = NodeContext(name=name, params=resolved.params, manifest=m, device=self.device, dtype=self.dtype,
                               num_draft=self.plan.spec.num_draft, kv_tokens=self.kv_tokens, buffers=owned,
                               shared={b: all_buffers[b] for b in m.reads if b in all_buffers}, graph_nodes=self.nodes)
             self.nodes[name] = resolved.node_type.factory(ctx)
+            seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in owned.values()}
             if self.device.type == "cuda":
-                measured = torch.cuda.memory_allocated(self.device) - before
+                measured = sum(seen.values()) + torch.cuda.memory_allocated(self.device) - before
             else:
-                seen = {}
-                for t in list(owned.values()) + list(self.nodes[name].tensors()):
+                for t in self.nodes[name].tensors():
                     seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 measured = sum(seen.values())
             self.measured[name] = measured
-            row = next(r for r in self.plan.vram.rows if r.node == name)
-            declared = row.total
+            declared = next(r for r in self.plan.vram.rows if r.node == name).total
             if measured > declared * MEMORY_TOLERANCE and measured - declared > 1 << 20:
                 msg = (f"node '{name}' ({resolved.node_type.name}) uses {measured} bytes, "
                        f"{measured / max(declared, 1):.2f}x its declared {declared}; fix the plugin's VRAM estimate")

@@ -87,7 +87,7 @@ def drafter_manifest(params, env):
     inc = (Incompatibility("kv.grow", "the toy drafter reads the KV buffer at fixed addresses"),) if params["forbid_grow"] else ()
     return Manifest(
         role="drafter",
-        inputs=(Port("features", "features", carried=True, required=False),),
+        inputs=(Port("features", "features", carried=params["carried_features"], required=False),),
         outputs=(Port("proposal", "proposal"),),
         reads=tuple(params["reads"]),
         writes=tuple(params["writes"]),
@@ -127,5 +127,5 @@ def draftflow_register_nodes(registry):
         name="toy-drafter", role="drafter", manifest=drafter_manifest, factory=ToyDrafter,
         params=(ParamSpec("vocab", "int", 32), ParamSpec("wrong_at", "int_list", []), ParamSpec("forbid_grow", "bool", False),
                 ParamSpec("reads", "str_list", []), ParamSpec("writes", "str_list", []), ParamSpec("requires", "str_list", []),
-                ParamSpec("scribble", "bool", False)),
+                ParamSpec("scribble", "bool", False), ParamSpec("carried_features", "bool", True)),
         description="toy drafter with injected errors"))

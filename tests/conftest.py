@@ -1,0 +1,31 @@
+"""Shared fixtures: the toy plugins registered next to the built-ins."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import toy_plugins  # noqa: E402
+from helpers import TESTS  # noqa: E402
+
+
+@pytest.fixture
+def registry():
+    """Built-in plugins plus the toy target/drafter."""
+    from draftflow.core.registry import load_registry
+
+    return load_registry(extra_plugins=(("toy_plugins", toy_plugins),))
+
+
+@pytest.fixture
+def toy_env():
+    """Environment for a `draftflow` subprocess that sees the toy plugins."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH", "")]))
+    env["DRAFTFLOW_PLUGINS"] = "toy_plugins"
+    return env

@@ -1,0 +1,68 @@
+"""The CLI end to end: exit codes, one-line errors, the generate --json contract."""
+
+from __future__ import annotations
+
+import json
+
+import toy_plugins
+from helpers import FIXTURES, run_cli
+
+
+def test_check_prints_plan_and_draws(toy_env, tmp_path):
+    """`check` prints order, buffers and the VRAM table, exits 0, and --draw writes a PNG."""
+    out = tmp_path / "g.png"
+    r = run_cli(["check", FIXTURES / "good_toy.yaml", "--draw", out], env=toy_env)
+    assert r.returncode == 0, r.stderr
+    assert "execution order: drafter [toy-drafter, drafter] -> target [toy-target, target] -> verify" in r.stdout
+    assert "toy_kv  target" in r.stdout and "VRAM plan" in r.stdout and "KV cache: 512 tokens" in r.stdout
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_check_reports_every_problem_and_exits_1(toy_env):
+    """`check` on a broken graph prints all problems, no traceback, exit 1."""
+    r = run_cli(["check", FIXTURES / "many_problems.yaml"], env=toy_env)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    assert "[unknown-plugin]" in r.stderr and "[incompatible]" in r.stderr and "[capability]" in r.stderr
+
+
+def test_user_errors_are_one_line(toy_env, tmp_path):
+    """Malformed YAML, a missing file and bad prompt ids: one line, exit 1, no traceback."""
+    for args in (["check", FIXTURES / "malformed.yaml"], ["check", tmp_path / "nope.yaml"],
+                 ["generate", "--graph", FIXTURES / "good_toy.yaml", "--prompt-ids", "1,x"],
+                 ["generate", "--graph", FIXTURES / "good_toy.yaml", "--prompt", "hello"],
+                 ["trace", "summarize", tmp_path / "none.jsonl"]):
+        r = run_cli(args, env=toy_env)
+        assert r.returncode == 1, (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_usage_error_exits_2(toy_env):
+    """An unknown flag is a usage error (exit 2)."""
+    assert run_cli(["generate", "--no-such-flag"], env=toy_env).returncode == 2
+
+
+def test_generate_json_contract(toy_env, tmp_path):
+    """generate --json prints the documented object; --trace and trace summarize agree with it."""
+    trace = tmp_path / "t.jsonl"
+    r = run_cli(["generate", "--graph", FIXTURES / "good_toy.yaml", "--prompt-ids", "1,2,3", "--max-new-tokens", "16",
+                 "--json", "--trace", trace, "--spec", "4"], env=toy_env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "stats"}
+    assert set(out["stats"]) == {"cycles", "drafted", "accepted", "tau", "acceptance_rate", "per_position_acceptance", "tokens_per_s", "ttft_s"}
+    assert out["text"] is None and out["prompt_token_ids"] == [1, 2, 3] and out["finish_reason"] == "length"
+    assert out["token_ids"] == toy_plugins.reference([1, 2, 3], 16, 32)
+    assert len(out["stats"]["per_position_acceptance"]) == 4
+    s = run_cli(["trace", "summarize", trace, "--json", "--plot", tmp_path / "p.png"], env=toy_env)
+    assert s.returncode == 0, s.stderr
+    assert json.loads(s.stdout)["tau"] == out["stats"]["tau"]
+
+
+def test_plugins_lists_origin(toy_env):
+    """`plugins` lists node types with role, plugin, version and origin."""
+    r = run_cli(["plugins"], env=toy_env)
+    assert r.returncode == 0
+    line = next(l for l in r.stdout.splitlines() if l.startswith("verifier "))
+    assert "verifier" in line and "builtin_verifier" in line and "built-in" in line
+    assert any(l.startswith("toy-target") and "DRAFTFLOW_PLUGINS" in l for l in r.stdout.splitlines())
