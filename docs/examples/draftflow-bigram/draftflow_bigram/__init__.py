@@ -1,0 +1,1 @@
+"""draftflow-bigram: an example third-party draftflow plugin (see README.md)."""

@@ -1,0 +1,242 @@
+"""Load a llama.cpp GGUF file (qwen3, llama, qwen2) into a TargetModel.
+
+GGUF stores dims reversed (ne[0] is the last torch dim); the reader already hands back
+numpy-ordered views, so only the *reported* shape needs reversing. llama.cpp's converter
+permutes llama's attn_q / attn_k rows into its interleaved RoPE layout; we undo that so
+the model keeps the HF half-split layout. Q8_0 is dequantized at load time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from draftflow.plugins.target.config import RopeScaling, TargetConfig, expected_tensors
+from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
+from draftflow.plugins.target.model import TargetModel
+
+SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
+_Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # 32 int8 weights + one fp16 scale
+
+# HF module suffix inside `model.layers.N.` -> llama.cpp suffix inside `blk.N.`.
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+# Pre-tokenizer regexes for llama.cpp `tokenizer.ggml.pre` names we can rebuild exactly.
+PRE_TOKENIZER_REGEX = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+
+
+def hf_to_gguf_name(hf_name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.bias` -> `blk.3.attn_q.bias` (and the top-level names)."""
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in TOP_NAMES:
+        return f"{TOP_NAMES[stem]}.{kind}"
+    _, _, layer, module = stem.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+
+
+def llama_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF half-split rows -> llama.cpp interleaved rows, per head (what llama.cpp's converter does)."""
+    # w: [n_heads * head_dim, ...] (weight or bias)
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `llama_permute`."""
+    # w: [n_heads * head_dim, ...]
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_config(path: str | os.PathLike[str]) -> TargetConfig:
+    """Parse a GGUF file's metadata (memory-mapped; no tensor data is read)."""
+    return _config(_open(path), str(path))
+
+
+def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LoadedTarget:
+    """Load config, weights (F32/F16/BF16/Q8_0) and the embedded tokenizer from a GGUF file."""
+    source = str(path)
+    reader = _open(path)
+    cfg = _config(reader, source)
+    to_hf = {hf_to_gguf_name(n): n for n in expected_tensors(cfg)}
+    if cfg.tie_word_embeddings:
+        to_hf["output.weight"] = "lm_head.weight"
+    found, names, tensors = {}, {}, {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # consumed by the config (llama3 RoPE factors)
+            continue
+        kind = GGMLQuantizationType(t.tensor_type).name
+        if kind not in SUPPORTED_TYPES:
+            raise ModelFormatError(
+                f"{source}: tensor {t.name!r} has type {kind}; expected one of {', '.join(SUPPORTED_TYPES)}; "
+                "re-convert with --dtype f32, f16, bf16 or q8_0"
+            )
+        hf = to_hf.get(t.name, t.name)
+        found[hf] = tuple(int(d) for d in reversed(t.shape))  # ne order -> torch order
+        names[hf] = t.name
+        tensors[hf] = t
+    check_tensors(found, cfg, source, names={hf: g for g, hf in to_hf.items()})
+
+    model = TargetModel(cfg, dtype=dtype, device="meta")
+    state = {}
+    for hf in expected_tensors(cfg):
+        w = _dequantize(tensors[hf], found[hf], device, source).to(dtype)
+        if cfg.arch == "llama" and ".self_attn.q_proj." in hf:
+            w = llama_unpermute(w, cfg.num_heads)
+        elif cfg.arch == "llama" and ".self_attn.k_proj." in hf:
+            w = llama_unpermute(w, cfg.num_kv_heads)
+        state[hf.removeprefix("model.")] = w
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    eos = tuple(
+        v for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (v := _value(reader, f"tokenizer.ggml.{k}")) is not None
+    )
+    return LoadedTarget(model, cfg, gguf_tokenizer(reader), tuple(dict.fromkeys(eos)), source)
+
+
+def _open(path: str | os.PathLike[str]) -> GGUFReader:
+    if not os.path.exists(path):
+        raise ModelFormatError(f"{path}: file is missing; expected a GGUF file; check the path")
+    try:
+        # 'c' (copy-on-write) gives writable views, so torch.from_numpy shares memory without warnings.
+        return GGUFReader(path, "c")
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, ... on bad bytes
+        raise ModelFormatError(
+            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); expected a complete GGUF v3 file; "
+            "it is truncated or corrupt, re-download or re-convert it"
+        ) from exc
+
+
+def _value(reader: GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _config(reader: GGUFReader, source: str) -> TargetConfig:
+    arch = _value(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ModelFormatError(
+            f"{source}: general.architecture is {arch!r}; expected one of {', '.join(SUPPORTED_GGUF_ARCHS)}; "
+            "this runtime cannot run that architecture"
+        )
+
+    def need(key: str) -> Any:
+        value = _value(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelFormatError(f"{source}: metadata key '{arch}.{key}' is missing; expected it; re-convert the model")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    if "token_embd.weight" not in tensors:
+        raise ModelFormatError(f"{source}: tensor 'token_embd.weight' is missing; expected it; re-convert the model")
+    vocab = int(tensors["token_embd.weight"].shape[-1])  # ne = {hidden, vocab}
+    scaling_type = _value(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise ModelFormatError(
+            f"{source}: '{arch}.rope.scaling.type' is {scaling_type!r}; expected none (llama3 scaling comes as "
+            "rope_freqs.weight); this RoPE scaling is not supported"
+        )
+    rope = None
+    if "rope_freqs.weight" in tensors:
+        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32)
+        rope = RopeScaling(rope_type="freq_factors", freq_factors=tuple(float(f) for f in factors))
+    has_bias = "blk.0.attn_q.bias" in tensors
+    eos = _value(reader, "tokenizer.ggml.eos_token_id")
+    return TargetConfig(
+        arch=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_value(reader, f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(_value(reader, f"{arch}.attention.key_length") or hidden // heads),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_value(reader, f"{arch}.rope.freq_base") or 10000.0),
+        rope_scaling=rope,
+        max_position_embeddings=int(_value(reader, f"{arch}.context_length") or 2048),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=True if arch == "qwen2" else has_bias,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm=arch == "qwen3",
+        bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        source=source,
+    )
+
+
+def _dequantize(t: Any, shape: tuple[int, ...], device: torch.device | str, source: str) -> torch.Tensor:
+    """One GGUF tensor -> torch tensor of `shape` on `device` (float32 for Q8_0, else stored dtype)."""
+    kind = GGMLQuantizationType(t.tensor_type)
+    try:
+        raw = torch.from_numpy(np.ascontiguousarray(t.data))
+    except Exception as exc:  # noqa: BLE001 - a short file gives a short view
+        raise ModelFormatError(f"{source}: tensor {t.name!r} data cannot be read ({exc}); re-convert it") from exc
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return raw.to(device).reshape(shape)
+    if kind == GGMLQuantizationType.BF16:  # bytes [..., 2n] -> bf16 [..., n]
+        return raw.to(device).view(torch.bfloat16).reshape(shape)
+    # Q8_0: dequantize on the device so only the compact bytes cross the bus.
+    blocks = raw.to(device).reshape(-1, _Q8_0_BYTES)  # [n_blocks, 34]
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
+    quants = blocks[:, 2:].contiguous().view(torch.int8).float()  # [n_blocks, 32]
+    return (quants * scale).reshape(shape)
+
+
+def gguf_tokenizer(reader: GGUFReader) -> Tokenizer | None:
+    """Rebuild a byte-level BPE `tokenizers.Tokenizer` from `tokenizer.ggml.*` metadata.
+
+    Only `tokenizer.ggml.model == "gpt2"` with a pre-tokenizer we know (`gpt-2`,
+    `llama-bpe`, `qwen2`) is rebuilt; anything else returns None (eos ids still load).
+    """
+    if _value(reader, "tokenizer.ggml.model") != "gpt2":
+        return None
+    pre = _value(reader, "tokenizer.ggml.pre") or "gpt-2"
+    if pre != "gpt-2" and pre not in PRE_TOKENIZER_REGEX:
+        return None
+    tokens = _value(reader, "tokenizer.ggml.tokens") or []
+    types = _value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _value(reader, "tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    if pre == "gpt-2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, k in enumerate(types) if k == _TOKEN_CONTROL]
+    added = [AddedToken(tokens[i], special=False, normalized=False) for i, k in enumerate(types) if k == _TOKEN_USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(added)
+    bos = _value(reader, "tokenizer.ggml.bos_token_id")
+    if _value(reader, "tokenizer.ggml.add_bos_token") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        )
+    return tok

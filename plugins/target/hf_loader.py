@@ -1,0 +1,219 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a TargetModel.
+
+Everything is checked before any weight is read: the config is parsed, every shard's
+header is opened, and the tensor names and shapes are compared with
+`expected_tensors(cfg)`. Tensors are then read through safetensors' memory map and
+placed straight on the device in the requested dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from draftflow.plugins.target.config import TargetConfig, expected_tensors, normalize_eos
+from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.plugins.target.model import TargetModel
+
+_PROGRESS_MIN_BYTES = 256 << 20
+_MAX_LISTED = 5
+
+
+@attrs.frozen
+class LoadedTarget:
+    """A loaded target: the model, its config, its tokenizer (or None) and stop tokens."""
+
+    model: TargetModel
+    config: TargetConfig
+    tokenizer: Tokenizer | None
+    eos_ids: tuple[int, ...]
+    source: str
+
+
+def read_config(path: str | os.PathLike[str]) -> TargetConfig:
+    """Parse `path/config.json` only (no weights), e.g. to size allocations first."""
+    file = Path(path) / "config.json"
+    return TargetConfig.from_hf_dict(_read_json(file, required=True), str(file))
+
+
+def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LoadedTarget:
+    """Load config, weights, generation config and tokenizer from an HF directory."""
+    root = Path(path)
+    cfg = read_config(root)
+    shards = _shard_map(root)  # tensor name -> file
+    handles = {file: _open(file, device) for file in sorted(set(shards.values()))}
+    found = {}
+    stored = {file: {_canonical(n): n for n in h.keys()} for file, h in handles.items()}
+    for name, file in shards.items():
+        if name not in stored[file]:
+            raise ModelFormatError(
+                f"{file}: tensor {name!r} is listed in model.safetensors.index.json but absent from the "
+                "shard; expected it there; re-save the checkpoint"
+            )
+        found[name] = tuple(handles[file].get_slice(stored[file][name]).get_shape())
+    check_tensors(found, cfg, str(root), {n: str(f) for n, f in shards.items()})
+
+    model = TargetModel(cfg, dtype=dtype, device="meta")
+    wanted = [n for n in shards if n in expected_tensors(cfg)]  # drops a tied model's lm_head
+    sizes = {n: _numel(found[n]) * dtype.itemsize for n in wanted}
+    progress = _Progress(sum(sizes.values()), f"loading {root.name}")
+    state = {}
+    for name in wanted:
+        file = shards[name]
+        try:
+            tensor = handles[file].get_tensor(stored[file][name])
+        except Exception as exc:  # noqa: BLE001 - any read failure means a damaged file
+            raise ModelFormatError(
+                f"{file}: reading tensor {name!r} failed ({exc}); expected a complete safetensors file; "
+                "re-download or re-save the checkpoint"
+            ) from exc
+        state[_module_name(name)] = tensor.to(device=device, dtype=dtype)
+        progress.update(sizes[name])
+    progress.close()
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)  # moves the non-persistent RoPE buffer; weights are already there
+
+    gen = _read_json(root / "generation_config.json", required=False)
+    eos = normalize_eos(gen.get("eos_token_id")) or cfg.eos_token_ids
+    return LoadedTarget(model, cfg, _read_tokenizer(root / "tokenizer.json"), eos, str(root))
+
+
+def check_tensors(
+    found: dict[str, tuple[int, ...]],
+    cfg: TargetConfig,
+    source: str,
+    file_of: dict[str, str] | None = None,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Compare checkpoint tensor shapes (keyed by HF name) with `expected_tensors(cfg)`.
+
+    Raises one ModelFormatError listing every missing, extra and mis-shaped tensor.
+    `file_of` names the shard of each tensor; `names` maps HF names to the checkpoint's
+    own spelling (GGUF) for the message.
+    """
+    file_of, names = file_of or {}, names or {}
+    expected = expected_tensors(cfg)
+    optional = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
+    problems = []
+    for name, shape in expected.items():
+        if name not in found:
+            problems.append(f"tensor {names.get(name, name)!r} is missing (expected shape {list(shape)})")
+    for name, shape in found.items():
+        want = expected.get(name, optional.get(name))
+        where = f"{file_of[name]}: " if name in file_of else ""
+        shown = names.get(name, name)
+        if want is None:
+            problems.append(f"{where}tensor {shown!r} is not part of a {cfg.arch} model (extra tensor)")
+        elif tuple(shape) != tuple(want):
+            problems.append(f"{where}tensor {shown!r} has shape {list(shape)}, expected {list(want)}")
+    if problems:
+        more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise ModelFormatError(
+            f"{source}: {len(problems)} weight problem(s) against {cfg.source or 'the config'}: "
+            + "; ".join(problems[:_MAX_LISTED])
+            + more
+            + "; fix: make the config match the weights or re-export the checkpoint"
+        )
+
+
+def _shard_map(root: Path) -> dict[str, Path]:
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index, required=True).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(
+                f"{index}: field 'weight_map' is missing; expected a tensor->file mapping; re-save the checkpoint"
+            )
+        return {_canonical(name): root / file for name, file in weight_map.items()}
+    single = root / "model.safetensors"
+    if not single.exists():
+        raise ModelFormatError(
+            f"{root}: neither model.safetensors nor model.safetensors.index.json exists; expected a "
+            "safetensors checkpoint; save it with save_pretrained(..., safe_serialization=True)"
+        )
+    with _open(single, "cpu") as handle:
+        return {_canonical(name): single for name in handle.keys()}
+
+
+def _open(file: Path, device: torch.device | str) -> Any:
+    if not file.exists():
+        raise ModelFormatError(
+            f"{file}: shard file is missing; expected it next to model.safetensors.index.json; re-download it"
+        )
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad headers
+        raise ModelFormatError(
+            f"{file}: not a readable safetensors file ({exc}); expected a complete file; "
+            "it is truncated or corrupt, re-download or re-save it"
+        ) from exc
+
+
+def _read_json(file: Path, required: bool) -> dict[str, Any]:
+    if not file.exists():
+        if required:
+            raise ModelFormatError(f"{file}: file is missing; expected a JSON file; point at an HF model directory")
+        return {}
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelFormatError(f"{file}: invalid JSON ({exc}); expected a JSON object; fix or re-download it") from exc
+
+
+def _read_tokenizer(file: Path) -> Tokenizer | None:
+    if not file.exists():
+        return None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise ModelFormatError(
+            f"{file}: tokenizer cannot be parsed ({exc}); expected a tokenizers JSON file; re-download it"
+        ) from exc
+
+
+def _canonical(name: str) -> str:
+    """Checkpoints saved from the inner model lack the `model.` prefix; add it back."""
+    return name if name.startswith("model.") or name.startswith("lm_head.") else "model." + name
+
+
+def _module_name(hf_name: str) -> str:
+    return hf_name.removeprefix("model.")
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _Progress:
+    """A one-line stderr progress bar, shown only for big loads on a terminal."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = total > _PROGRESS_MIN_BYTES and sys.stderr.isatty()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.enabled:
+            frac = self.done / self.total
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(
+                f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% "
+                f"({self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB)"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")

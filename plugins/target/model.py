@@ -1,0 +1,230 @@
+"""The target model: a qwen3 / llama / qwen2 decoder with one forward for every phase.
+
+The same `forward` serves chunked prefill, one-token decode and multi-token verify
+windows: tokens are always written to the cache at absolute positions
+`start_pos .. start_pos+T-1` and attend to cache[:start_pos] plus the causal window.
+Module and parameter names equal the HF names without the `model.` prefix, so loading
+is a rename, not a rewrite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftflow.plugins.target.config import TargetConfig
+from draftflow.plugins.target.kv_cache import KVCache
+
+# `enable_gqa` lets SDPA broadcast KV heads without materialising repeated K/V (torch >= 2.5).
+_NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def rope_inv_freq(cfg: TargetConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, float32 on CPU, computed exactly as transformers does."""
+    # returns: [head_dim // 2]
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type == "freq_factors":  # llama.cpp form: theta_i / factor_i
+        return inv / torch.tensor(rs.freq_factors, dtype=torch.float32)
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def llama3_freq_factors(cfg: TargetConfig) -> torch.Tensor:
+    """Per-frequency divisors equivalent to llama3 scaling, as llama.cpp's `rope_freqs.weight`."""
+    # returns: [head_dim // 2]
+    plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    return plain / rope_inv_freq(cfg)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32, cast back before the weight multiply (the HF order)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, heads, D]; cos, sin: [T, 1, D] (half-split layout, as HF `rotate_half`)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias, **kw)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, **kw)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, **kw)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+        self.qk_norm = cfg.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        cache: KVCache,
+        layer: int,
+        start_pos: int,
+        mask: torch.Tensor | None,  # [T, start_pos+T] bool, or None when is_causal / T == 1 suffices
+    ) -> torch.Tensor:
+        # returns: [B, T, H]
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cache.write(layer, start_pos, k, v)
+        keys, values = cache.read(layer, start_pos + t)  # [B, S, KVH, D]
+        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        # is_causal aligns the mask top-left, which is right only when the window starts at 0.
+        causal = mask is None and t > 1
+        if _NATIVE_GQA:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=causal,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+        else:  # pragma: no cover - old torch only
+            rep = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+
+class TargetModel(nn.Module):
+    """Decoder-only target model over an external `KVCache`.
+
+    Build on `device="meta"` and load with `load_state_dict(..., assign=True)` to avoid
+    allocating weights twice; the loaders do that.
+    """
+
+    def __init__(
+        self, cfg: TargetConfig, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        # Computed on CPU even for meta models; `.to(device)` after loading moves it.
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.requires_grad_(False)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM-head matrix: [V, H] (the embedding itself when tied)."""
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64
+        start_pos: int,
+        cache: KVCache,
+        logit_rows: int | torch.Tensor | None = None,  # None | count of last rows | [R] or [B, R] indices
+        tap_layers: tuple[int, ...] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run a window; return (logits [B, R, V] float32, taps [B, T, len(taps)*H] or None).
+
+        Tap L is the hidden state after decoder layer L, i.e. transformers'
+        `hidden_states[L+1]`; like transformers, the last layer's tap is taken after the
+        final norm. The cache's committed length is not changed: the caller commits.
+        """
+        b, t = tokens.shape
+        if start_pos > cache.length:
+            raise ValueError(
+                f"forward at start_pos={start_pos} but the KV cache holds only {cache.length} committed "
+                "positions; commit the previous window first so attention never reads unwritten cells"
+            )
+        taps = tuple(tap_layers or ())
+        bad = [i for i in taps if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(f"tap_layers {bad} are outside [0, {self.config.num_layers}); pick existing layers")
+        cache.ensure(start_pos + t)
+
+        pos = torch.arange(start_pos, start_pos + t, device=tokens.device)  # [T]
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        x = self.embed_tokens(tokens)  # [B, T, H]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        mask = None
+        if start_pos > 0 and t > 1:
+            keys = torch.arange(start_pos + t, device=tokens.device)  # [S]
+            mask = keys[None, :] <= pos[:, None]  # [T, S]
+
+        captured: dict[int, torch.Tensor] = {}
+        last = self.config.num_layers - 1
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, start_pos, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in taps and i != last:
+                captured[i] = x
+        if last in taps:
+            captured[last] = self.norm(x)
+        tapped = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
+
+        if logit_rows is None:
+            rows = x
+        elif isinstance(logit_rows, int):
+            rows = x[:, t - logit_rows :]
+        elif logit_rows.dim() == 1:
+            rows = x.index_select(1, logit_rows)
+        else:  # [B, R]: per-sequence rows
+            rows = x.gather(1, logit_rows[:, :, None].expand(-1, -1, x.shape[-1]))
+        logits = F.linear(self.norm(rows), self.head_weight()).float()  # [B, R, V]
+        return logits, tapped

@@ -1,0 +1,102 @@
+"""Write a small random-weight Qwen3 checkpoint in Hugging Face layout, with a real tokenizer.
+
+It is what the shipped default graph runs until trained weights ship, and what tests and
+benchmarks use when they need a target without downloading one:
+
+    python -m draftflow.tools.tiny_model OUT_DIR [--hidden 64 --layers 2 --vocab 512 --seed 0]
+
+The tokenizer is a byte-level BPE trained on draftflow's own documentation, so any text
+round-trips. The weights are random: output is not meaningful text, but it is exactly
+what the target computes, which is what speculative decoding must reproduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftflow.plugins.target.config import TargetConfig, expected_tensors
+
+EOS = "<|endoftext|>"
+
+
+def hf_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, context: int) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": context, "tie_word_embeddings": False, "attention_bias": False,
+        "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32",
+    }
+
+
+def random_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Weights scaled so activations stay O(1) and greedy argmaxes are not near ties."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_tensors(cfg).items():
+        if len(shape) == 1:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            out[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+    return out
+
+
+def train_tokenizer(vocab: int, corpus: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def default_corpus() -> list[str]:
+    root = Path(__file__).resolve().parent.parent
+    texts = [p.read_text(encoding="utf-8") for p in sorted((root / "docs").glob("*.md"))]
+    texts += [p.read_text(encoding="utf-8") for p in sorted((root / "core").glob("*.py"))]
+    return texts or ["draftflow speculative decoding"]
+
+
+def write_tiny_model(out: Path, vocab: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                     intermediate: int = 176, context: int = 2048, seed: int = 0, corpus: list[str] | None = None) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab, corpus or default_corpus())
+    vocab = tok.get_vocab_size()
+    config = hf_config(vocab, hidden, layers, heads, kv_heads, intermediate, context)
+    cfg = TargetConfig.from_hf_dict(config, str(out / "config.json"))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m draftflow.tools.tiny_model", description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=176)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    path = write_tiny_model(Path(a.out), a.vocab, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.context, a.seed)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
