@@ -207,7 +207,8 @@ def _wire(plan: GraphPlan) -> None:
                 srcs = " and ".join(f"{s}.{o.name}" for s, o in producers)
                 plan.problem(name, "duplicate-producer", f"input {name}.{port.name} ({port.type}) could be fed by {srcs}",
                              _choose_fix(plan, name, port.name))
-            elif port.required:
+            elif port.required and len(plan.nodes) == len(plan.spec.nodes):
+                # With an unresolved node (already reported) a missing producer is likely its consequence.
                 plan.problem(name, "missing-producer", f"required input {name}.{port.name} ({port.type}) has no producer",
                              f"add a node with a {port.type!r} output, or an edge '<node>.<port> -> {name}.{port.name}'")
 
