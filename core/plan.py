@@ -217,7 +217,7 @@ def _choose_fix(plan: GraphPlan, node: str, port: str) -> str:
     fix = f"keep one edge into {node}.{port}"
     resolved = plan.nodes.get(node)
     if resolved is not None and resolved.manifest.input(port) and resolved.manifest.input(port).type == "proposal":
-        return fix + ", or combine the drafters with a mixer node and feed it to " + f"{node}.{port}"
+        return fix + f", or combine the drafters with a mixer node (plugin: mixer) and feed mix.proposal to {node}.{port}"
     return fix + " (write the edge explicitly)"
 
 

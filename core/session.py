@@ -16,19 +16,38 @@ from draftflow.core.tracing import JsonlSink
 
 
 def shortcut_graph(args) -> dict:
-    """The graph that `generate --target ... [--dflash ...]` stands for, as a YAML-shaped dict."""
-    nodes = {"target": {"plugin": "target", "params": {"path": args.target}}}
-    if args.dflash:
-        nodes["dflash"] = {"plugin": "dflash", "params": {"path": args.dflash}}
-    if args.dflash2:
-        nodes["dflash2"] = {"plugin": "dflash2", "params": {"path": args.dflash2}}
-        nodes["selector"] = {"plugin": "dflash2-selector", "params": {}}
-    if args.mtp is not None:
-        nodes["mtp"] = {"plugin": "mtp", "params": {"path": args.mtp} if args.mtp else {}}
+    """The graph that `generate --target ... [--lookup] [--mtp] [--dflash ...]` stands for, as a YAML-shaped dict.
+
+    Several drafters are combined by a `mixer` node in order of preference: prompt lookup
+    (free when it matches), then DFlash2, DFlash, MTP.
+    """
+    target = {"plugin": "target", "params": {"path": args.target}}
+    nodes = {"target": target}
+    drafters = []
     if args.lookup:
-        nodes["lookup"] = {"plugin": "prompt-lookup", "params": {}}
+        drafters.append(("lookup", {"plugin": "prompt-lookup", "params": {}}))
+    if args.dflash2:
+        drafters.append(("dflash2", {"plugin": "dflash2", "params": {"path": args.dflash2}}))
+    if args.dflash:
+        drafters.append(("dflash", {"plugin": "dflash", "params": {"path": args.dflash}}))
+    if args.mtp is not None:
+        drafters.append(("mtp", {"plugin": "mtp", "params": {"path": args.mtp or args.target}}))
+        # The MTP head reads the target's final hidden state: tap the last layer.
+        from draftflow.plugins.target.plugin import read_any_config
+
+        try:
+            target["params"]["tap_layers"] = [read_any_config(args.target).num_layers - 1]
+        except DraftflowError:
+            pass  # the target node reports the unreadable path itself
+    nodes.update(drafters)
     nodes["verify"] = {"plugin": "verifier", "params": {}}
-    return {"name": "generate", "nodes": nodes}
+    graph = {"name": "generate", "nodes": nodes, "edges": []}
+    if len(drafters) > 1:
+        ports = [chr(ord("a") + i) for i in range(len(drafters))]
+        nodes["mix"] = {"plugin": "mixer", "params": {"inputs": ports}}
+        graph["edges"] = [f"{name}.proposal -> mix.{port}" for (name, _), port in zip(drafters, ports)]
+        graph["edges"] += ["mix.proposal -> target.proposal", "mix.proposal -> verify.proposal"]
+    return graph
 
 
 class Session:

@@ -3,7 +3,7 @@
 It is what the shipped default graph runs until trained weights ship, and what tests and
 benchmarks use when they need a target without downloading one:
 
-    python -m draftflow.tools.tiny_model OUT_DIR [--hidden 64 --layers 2 --vocab 512 --seed 0]
+    python -m draftflow.tools.tiny_model OUT_DIR [--hidden 64 --layers 2 --vocab 512 --seed 0 --mtp]
 
 The tokenizer is a byte-level BPE trained on draftflow's own documentation, so any text
 round-trips. The weights are random: output is not meaningful text, but it is exactly
@@ -47,6 +47,21 @@ def random_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def random_mtp_head(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3-layout MTP head at layer index num_layers (random, like the target)."""
+    import attrs
+
+    deeper = attrs.evolve(cfg, num_layers=cfg.num_layers + 1)
+    prefix = f"model.layers.{cfg.num_layers}."
+    block = {n: s for n, s in expected_tensors(deeper).items() if n.startswith(prefix)}
+    h = cfg.hidden_size
+    head = {prefix + "enorm.weight": (h,), prefix + "hnorm.weight": (h,), prefix + "eh_proj.weight": (h, 2 * h),
+            prefix + "shared_head.norm.weight": (h,), prefix + "shared_head.head.weight": (cfg.vocab_size, h)}
+    gen = torch.Generator().manual_seed(seed + 1000)
+    return {n: (1.0 + 0.1 * torch.randn(s, generator=gen)) if len(s) == 1 else torch.randn(s, generator=gen) / s[1] ** 0.5
+            for n, s in {**block, **head}.items()}
+
+
 def train_tokenizer(vocab: int, corpus: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -67,17 +82,22 @@ def default_corpus() -> list[str]:
 
 
 def write_tiny_model(out: Path, vocab: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                     intermediate: int = 176, context: int = 2048, seed: int = 0, corpus: list[str] | None = None) -> Path:
+                     intermediate: int = 176, context: int = 2048, seed: int = 0, corpus: list[str] | None = None,
+                     mtp: bool = False) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab, corpus or default_corpus())
     vocab = tok.get_vocab_size()
     config = hf_config(vocab, hidden, layers, heads, kv_heads, intermediate, context)
+    if mtp:
+        config["num_nextn_predict_layers"] = 1  # the target loader leaves these tensors to the mtp node
     cfg = TargetConfig.from_hf_dict(config, str(out / "config.json"))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if mtp:
+        save_file(random_mtp_head(cfg, seed), str(out / "mtp.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -92,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=176)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp", action="store_true", help="also write a random DeepSeek-V3-layout MTP head (mtp.safetensors)")
     a = p.parse_args(argv)
-    path = write_tiny_model(Path(a.out), a.vocab, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.context, a.seed)
+    path = write_tiny_model(Path(a.out), a.vocab, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.context, a.seed,
+                            mtp=a.mtp)
     print(f"wrote {path}")
     return 0
 

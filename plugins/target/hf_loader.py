@@ -60,6 +60,8 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
                 "shard; expected it there; re-save the checkpoint"
             )
         found[name] = tuple(handles[file].get_slice(stored[file][name]).get_shape())
+    mtp = mtp_prefixes(_read_json(root / "config.json", required=True), cfg)
+    found = {n: shape for n, shape in found.items() if not n.startswith(mtp)}
     check_tensors(found, cfg, str(root), {n: str(f) for n, f in shards.items()})
 
     model = TargetModel(cfg, dtype=dtype, device="meta")
@@ -85,6 +87,16 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
     gen = _read_json(root / "generation_config.json", required=False)
     eos = normalize_eos(gen.get("eos_token_id")) or cfg.eos_token_ids
     return LoadedTarget(model, cfg, _read_tokenizer(root / "tokenizer.json"), eos, str(root))
+
+
+def mtp_prefixes(config: dict, cfg: TargetConfig) -> tuple[str, ...]:
+    """Tensor-name prefixes of MTP heads the config declares; the `mtp` node loads them, the target skips them."""
+    prefixes = []
+    for i in range(int(config.get("num_nextn_predict_layers") or 0)):  # DeepSeek-V3: extra layer indices
+        prefixes.append(f"model.layers.{cfg.num_layers + i}.")
+    if config.get("mtp_num_hidden_layers"):  # Qwen3-Next
+        prefixes += ["mtp.", "model.mtp."]  # names are canonicalised with a `model.` prefix
+    return tuple(prefixes)
 
 
 def check_tensors(

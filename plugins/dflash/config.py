@@ -1,0 +1,245 @@
+"""DFlash drafter configuration: the facts the model, loader, converter and manifest share.
+
+`DFlashConfig` is built from a z-lab `config.json` (a Qwen3 config plus `block_size`,
+`num_target_layers` and `dflash_config`) or from GGUF metadata by the loader.
+`expected_tensors` is the single source of truth for the artifact's tensor set:
+11 per draft layer + `fc`, `hidden_norm`, `norm` (58 for 5 layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from draftflow.core.errors import ModelFormatError
+from draftflow.plugins.target.config import RopeScaling
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# HF module suffix inside `layers.N.` -> shape as a function of the config (see expected_tensors).
+LAYER_TENSORS = (
+    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj",
+)
+TOP_TENSORS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's rule when `target_layer_ids` is absent: spread taps over layers 1 .. n_tgt-3."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    # Python's round() (half to even) is part of the rule: [1, 9, 17, 25, 33] for 36 / 5.
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@attrs.frozen
+class DFlashConfig:
+    """Shapes and numerics of a DFlash block drafter (Qwen3-style draft layers)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int | None = None
+    vocab_size: int | None = None  # informational: the target's table is used
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: causal only for sliding layers (dflash 0.1.0)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    source: str = attrs.field(default="", eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        src = self.source or "dflash config"
+        if self.num_heads % self.num_kv_heads:
+            raise ModelFormatError(f"{src}: num_attention_heads={self.num_heads} is not a multiple of "
+                                   f"num_key_value_heads={self.num_kv_heads}; fix the config")
+        if self.block_size < 2:
+            raise ModelFormatError(f"{src}: block_size={self.block_size}; expected at least 2 (anchor + one draft); fix the config")
+        if not self.target_layer_ids:
+            raise ModelFormatError(f"{src}: target_layer_ids is empty; expected at least one tap layer; fix the config")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelFormatError(f"{src}: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers; fix the config")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ModelFormatError(f"{src}: layer_types entry {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}; fix the config")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelFormatError(f"{src}: sliding_attention layers need a positive sliding_window; fix the config")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def layer_is_causal(self, i: int) -> bool:
+        return self.layer_type(i) == "sliding_attention" if self.is_causal is None else self.is_causal
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str) -> DFlashConfig:
+        """Build from a z-lab `config.json` dict; `source` names the file in messages."""
+        extra = d.get("dflash_config") or {}
+
+        def value(key: str, default: Any = None) -> Any:
+            # z-lab's lookup order: dflash_config first, then the top level.
+            return extra.get(key, d.get(key, default))
+
+        hidden, heads = _pos_int(d, "hidden_size", source), _pos_int(d, "num_attention_heads", source)
+        layers = _pos_int(d, "num_hidden_layers", source)
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelFormatError(f"{source}: field 'hidden_act' is {d['hidden_act']!r}; expected 'silu'; "
+                                   "only SiLU-gated draft MLPs are supported")
+        if d.get("attention_bias"):
+            raise ModelFormatError(f"{source}: field 'attention_bias' is true; expected false; DFlash artifacts "
+                                   "carry no attention biases (11 tensors per layer)")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        n_target = value("num_target_layers")
+        ids = value("target_layer_ids")
+        if ids is None:
+            if not isinstance(n_target, int) or n_target < 4:
+                raise ModelFormatError(f"{source}: target_layer_ids is absent and num_target_layers is {n_target!r}; "
+                                       "expected one of them; set dflash_config.target_layer_ids")
+            ids = default_target_layer_ids(n_target, layers)
+        mask = value("mask_token_id")
+        if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
+            raise ModelFormatError(f"{source}: mask_token_id is {mask!r}; expected a token id; "
+                                   "set dflash_config.mask_token_id")
+        softcap = value("final_logit_softcapping")
+        layer_types = d.get("layer_types")
+        has_sliding = bool(layer_types) and "sliding_attention" in layer_types
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=_pos_int(d, "intermediate_size", source),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(rope, d, source),
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            block_size=int(value("block_size", 16)),
+            target_layer_ids=tuple(int(i) for i in ids),
+            mask_token_id=mask,
+            num_target_layers=int(n_target) if n_target is not None else None,
+            vocab_size=d.get("vocab_size"),
+            layer_types=tuple(layer_types or ()),
+            sliding_window=int(d["sliding_window"]) if has_sliding and d.get("sliding_window") else None,
+            is_causal=d.get("is_causal"),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            source=source,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The z-lab `config.json` for this config (what the converter writes)."""
+        d: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        }
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                                 "high_freq_factor": rs.high_freq_factor,
+                                 "original_max_position_embeddings": rs.original_max_position_embeddings}
+        if self.num_target_layers is not None:
+            d["num_target_layers"] = self.num_target_layers
+        if self.vocab_size is not None:
+            d["vocab_size"] = self.vocab_size
+        if self.layer_types:
+            d["layer_types"] = list(self.layer_types)
+        if self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
+        extra = d["dflash_config"]
+        if self.input_embedding_scale != 1.0:
+            extra["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            extra["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            extra["final_logit_softcapping"] = self.final_logit_softcapping
+        return d
+
+
+def expected_tensors(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape ([out, in]) for every tensor a DFlash artifact must hold."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+    shapes = {
+        "input_layernorm": (h,), "post_attention_layernorm": (h,),
+        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q), "self_attn.q_norm": (d,), "self_attn.k_norm": (d,),
+        "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
+    }
+    out = {"fc.weight": (h, cfg.num_taps * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        for module in LAYER_TENSORS:
+            out[f"layers.{i}.{module}.weight"] = shapes[module]
+    return out
+
+
+def weight_bytes(cfg: DFlashConfig, dtype: torch.dtype) -> int:
+    """Bytes the drafter's own weights take in `dtype` (embedding and head are the target's)."""
+    total = 0
+    for shape in expected_tensors(cfg).values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total * dtype.itemsize
+
+
+def kv_shape(cfg: DFlashConfig, capacity) -> tuple:
+    """Shape of the drafter's context K/V buffer (the target KVCache layout)."""
+    return (cfg.num_layers, 2, 1, capacity, cfg.num_kv_heads, cfg.head_dim)
+
+
+def _pos_int(d: dict[str, Any], key: str, source: str) -> int:
+    value = d.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelFormatError(f"{source}: field {key!r} is {value!r}; expected a positive integer; fix the config")
+    return value
+
+
+def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], source: str) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind != "llama3":
+        raise ModelFormatError(f"{source}: field 'rope_type' is {kind!r}; expected 'default' or 'llama3'; "
+                               "other RoPE scalings are not supported")
+    return RopeScaling(rope_type="llama3", factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                       high_freq_factor=float(rope["high_freq_factor"]),
+                       original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
+                                                                     d.get("max_position_embeddings", 8192))))

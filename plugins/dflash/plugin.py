@@ -1,0 +1,160 @@
+"""The `dflash` drafter node: one forward proposes a block of up to B-1 tokens.
+
+Per cycle it appends the newly committed tokens' feature taps (the target's carried
+`features`) to its own context K/V cache, embeds `[anchor, MASK x K]` with the target's
+embedding, runs the block and reads K drafts through the target's LM head. The cache is
+then cropped back to the anchor's position, so it always describes `req.tokens[:-1]`,
+the same state contract as the target's KV cache.
+
+The target's embedding and LM head are bound lazily (on the first prefill): the
+drafter runs before the target in the schedule, so the target node is built later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftflow.core.errors import ModelFormatError
+from draftflow.core.hookspecs import hookimpl
+from draftflow.core.manifest import KV_TOKENS, BufferSpec, Incompatibility, Manifest, Port, Vram
+from draftflow.core.node import Node
+from draftflow.core.params import ParamSpec
+from draftflow.core.ports import Proposal
+from draftflow.core.problems import Problem
+from draftflow.core.registry import NodeType
+from draftflow.plugins.dflash.config import kv_shape, weight_bytes
+from draftflow.plugins.dflash.loader import load_drafter, read_config
+from draftflow.plugins.dflash.model import draft_logits
+from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.verify import filter_logits, sample
+
+PARAMS = (ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),)
+# Context rows projected per forward while ingesting a long prompt's features.
+CONTEXT_CHUNK = 512
+KV_GROW_REASON = ("DFlash keeps its context K/V and block shapes static and sized to the target's preallocated "
+                  "cache; set the target's kv_mode: static")
+
+
+def manifest(params, env) -> Manifest:
+    cfg = read_config(params["path"])
+    dtype = getattr(torch, env.dtype)
+    h, taps = cfg.hidden_size, cfg.num_taps
+    # Context ingestion (fc input, projections) bounded by CONTEXT_CHUNK; block rows need logits over the vocab.
+    vocab = cfg.vocab_size or 0
+    scratch = (CONTEXT_CHUNK * (taps * h + 4 * h) + cfg.block_size * (4 * h + 2 * cfg.intermediate_size)) * dtype.itemsize \
+        + 2 * cfg.block_size * vocab * 4
+    return Manifest(
+        role="drafter",
+        inputs=(Port("features", "features", carried=True,
+                     doc=f"target taps of layers {list(cfg.target_layer_ids)} for the newly committed tokens"),),
+        outputs=(Port("proposal", "proposal"),),
+        owns=(BufferSpec("dflash_kv", kv_shape(cfg, KV_TOKENS), env.dtype,
+                         doc="context K/V per draft layer, addressed by position"),),
+        vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
+        requires={"target.features"},
+        incompatible=(Incompatibility("kv.grow", KV_GROW_REASON),),
+    )
+
+
+class DFlash(Node):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.model, self.config = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
+        self.cache = KVCache.from_static(ctx.buffers["dflash_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
+        self.embed: torch.Tensor | None = None  # [V, H], the target's
+        self.head: torch.Tensor | None = None  # [V, H], the target's
+
+    def tensors(self):
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+
+    def _bind(self) -> None:
+        if self.embed is not None:
+            return
+        target = next((n for n in self.ctx.graph_nodes.values()
+                       if n.ctx.manifest.role == "target" and hasattr(n, "model")), None)
+        if target is None:
+            raise ModelFormatError(f"node '{self.name}' (dflash): no target node with a model to bind the embedding "
+                                   "and LM head from; add a `target` node to the graph")
+        model, cfg = target.model, self.config
+        self.embed, self.head = model.embed_tokens.weight, model.head_weight()
+        if self.embed.shape[1] != cfg.hidden_size:
+            raise ModelFormatError(f"node '{self.name}' (dflash): target hidden size {self.embed.shape[1]} differs from "
+                                   f"the drafter's {cfg.hidden_size}; use the drafter trained for this target")
+        if not 0 <= cfg.mask_token_id < self.embed.shape[0]:
+            raise ModelFormatError(f"node '{self.name}' (dflash): mask_token_id {cfg.mask_token_id} is outside the "
+                                   f"target's vocabulary of {self.embed.shape[0]}; use the drafter trained for this target")
+
+    @torch.inference_mode()
+    def prefill(self, req):
+        self._bind()
+        self.cache.commit(0)
+        return {}
+
+    def _ingest(self, features) -> None:
+        """Append committed feature rows the cache does not hold yet; drop anything past them first."""
+        if features is None:
+            return
+        hidden, start = features.hidden, features.start  # [1, C, n_taps * H]
+        if start > self.cache.length:
+            raise ModelFormatError(f"node '{self.name}' (dflash): features start at position {start} but the draft "
+                                   f"cache holds {self.cache.length}; wire target.features -> {self.name}.features (carried)")
+        self.cache.crop(start)
+        for i in range(0, hidden.shape[1], CONTEXT_CHUNK):
+            self.model.add_context(hidden[:, i:i + CONTEXT_CHUNK], start + i, self.cache)
+
+    @torch.inference_mode()
+    def step(self, req, inputs):
+        self._bind()
+        self._ingest(inputs.get("features"))
+        cfg, device = self.config, self.ctx.device
+        k = min(cfg.block_size - 1, req.num_draft)
+        if k == 0:
+            return {"proposal": Proposal(torch.empty(1, 0, dtype=torch.long, device=device))}
+        if self.cache.length != req.position:
+            raise ModelFormatError(f"node '{self.name}' (dflash): draft cache holds {self.cache.length} positions but "
+                                   f"the anchor is at {req.position}; the target must tap {list(cfg.target_layer_ids)}")
+        block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=device)  # [1, K+1]
+        block[0, 0] = req.anchor
+        x = torch.nn.functional.embedding(block, self.embed)  # [1, K+1, H]
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
+        hidden = self.model(x, self.cache)  # [1, K+1, H]; block K/V sit past cache.length, dropped by the next crop
+        logits = draft_logits(hidden[:, 1:], self.head, cfg)  # [1, K, V]
+        s = req.sampling
+        if s.temperature == 0:
+            return {"proposal": Proposal(logits.argmax(dim=-1))}
+        q = filter_logits(logits, s.temperature, s.top_k, s.top_p)  # [1, K, V]
+        return {"proposal": Proposal(sample(q, generator=req.generator), probs=q)}
+
+    def commit(self, req, info):
+        # Block K/V were never committed; the next step's features start exactly at cache.length.
+        return {}
+
+
+def check_tap_layers(plan):
+    """A dflash node's target_layer_ids equal the target's tap_layers (same order)."""
+    targets = [n for n in plan.by_role("target") if "tap_layers" in plan.nodes[n].params]
+    for name, node in plan.nodes.items():
+        if node.node_type.name != "dflash" or not targets:
+            continue
+        ids = read_config(node.params["path"]).target_layer_ids
+        target = targets[0]
+        taps = tuple(plan.nodes[target].params["tap_layers"])
+        if taps != ids:
+            yield Problem(name, "dflash-taps", f"the drafter reads target layers {list(ids)} but target '{target}' "
+                          f"taps {list(taps)}", f"set nodes.{target}.tap_layers={list(ids)}", "dflash",
+                          plan.spec.node(name).where if plan.spec.node(name) else "")
+
+
+@hookimpl
+def draftflow_register_nodes(registry):
+    registry.add_node_type(NodeType(
+        name="dflash", role="drafter", manifest=manifest, factory=DFlash, params=PARAMS,
+        capabilities=("proposal", "sampling.temperature>0"),
+        description="DFlash block drafter (z-lab): B-1 drafts per forward from target feature taps"))
+
+
+@hookimpl
+def draftflow_add_checks(registry):
+    registry.add_check("dflash-taps", check_tap_layers)

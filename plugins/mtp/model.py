@@ -1,0 +1,105 @@
+"""The MTP head: one decoder block over (embedding of t_{i+1}, target hidden h_i) pairs.
+
+    x_i    = proj(cat[norm_e(Emb(t_{i+1})), norm_h(h_i)])        # Linear 2H -> H, no bias
+    y_i    = block(x_i)                                          # pre-norm attention + MLP
+    logits = head(out_norm(y_i))                                 # predicts t_{i+2}
+
+The pair (t_{i+1}, h_i) sits at RoPE position i (vLLM's convention). Chained drafting
+feeds step j the embedding of draft j and the previous step's output hidden: ``y`` for
+DeepSeek-V3, ``out_norm(y)`` for Qwen3-Next. The block is the target's dense decoder layer;
+Qwen3-Next norms compute x̂·(1+w) in float32 (``UnitOffsetRMSNorm``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftflow.plugins.target.config import TargetConfig
+from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.model import DecoderLayer, RMSNorm, rope_inv_freq
+
+
+class UnitOffsetRMSNorm(nn.Module):
+    """Qwen3-Next RMSNorm: x̂·(1+w), computed in float32 and cast back (w starts at 0)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class MtpHead(nn.Module):
+    """Weights of one MTP module; embedding (and Qwen3-Next's LM head) are bound from the target."""
+
+    def __init__(self, cfg: TargetConfig, layout: str, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        norm = UnitOffsetRMSNorm if layout == "qwen3-next" else RMSNorm
+        self.cfg, self.layout = cfg, layout
+        self.norm_e, self.norm_h, self.out_norm = (norm(h, eps, dtype, device) for _ in range(3))
+        self.proj = nn.Linear(2 * h, h, bias=False, dtype=dtype, device=device)
+        self.block = DecoderLayer(cfg, dtype, device)
+        if layout == "qwen3-next":
+            self.block.input_layernorm = norm(h, eps, dtype, device)
+            self.block.post_attention_layernorm = norm(h, eps, dtype, device)
+            if cfg.qk_norm:
+                self.block.self_attn.q_norm = norm(cfg.head_dim, eps, dtype, device)
+                self.block.self_attn.k_norm = norm(cfg.head_dim, eps, dtype, device)
+        else:
+            self.head = nn.Linear(h, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.requires_grad_(False)
+        self.embed: torch.Tensor | None = None  # [V, H], bound from the target
+        self.shared_head: torch.Tensor | None = None  # [V, H], Qwen3-Next only
+
+    def bind(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        """Share the target's embedding and (Qwen3-Next) LM head instead of holding copies."""
+        self.embed = embed
+        self.shared_head = head if self.layout == "qwen3-next" else None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [1, T] int64: t_{i+1}
+        hidden: torch.Tensor,  # [1, T, H]: h_i (target) or the previous step's output
+        start_pos: int,  # position i of the first pair
+        cache: KVCache,
+        last_only: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (logits [1, R, V] float32, next hidden [1, R, H]); R = 1 if last_only else T."""
+        t = tokens.shape[1]
+        cache.ensure(start_pos + t)
+        pos = torch.arange(start_pos, start_pos + t, device=tokens.device)  # [T]
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        e = F.embedding(tokens, self.embed)  # [1, T, H]
+        cos, sin = emb.cos().to(e.dtype), emb.sin().to(e.dtype)
+        mask = None  # causal from 0, or a single row that sees everything before it
+        if start_pos > 0 and t > 1:
+            mask = torch.arange(start_pos + t, device=tokens.device)[None, :] <= pos[:, None]  # [T, S]
+        x = self.proj(torch.cat([self.norm_e(e), self.norm_h(hidden.to(e.dtype))], dim=-1))  # [1, T, H]
+        blk = self.block
+        x = x + blk.self_attn(blk.input_layernorm(x), cos, sin, cache, 0, start_pos, mask)
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+        if last_only:
+            x = x[:, -1:]
+        normed = self.out_norm(x)
+        head = self.shared_head if self.layout == "qwen3-next" else self.head.weight
+        logits = F.linear(normed, head).float()  # [1, R, V]
+        return logits, (normed if self.layout == "qwen3-next" else x)
+
+
+def load_head(ckpt, device: torch.device, dtype: torch.dtype) -> MtpHead:
+    """Build on the meta device and assign the checkpoint tensors (no double allocation)."""
+    from draftflow.plugins.mtp.weights import read_state
+
+    head = MtpHead(ckpt.config, ckpt.layout, dtype, device="meta")
+    head.load_state_dict(read_state(ckpt, device, dtype), strict=True, assign=True)
+    return head.to(device)

@@ -1,0 +1,160 @@
+"""The `mtp` drafter: a DeepSeek-V3 / Qwen3-Next multi-token-prediction head.
+
+Each cycle it first catches up on the positions the target committed last cycle: the
+carried ``features`` input holds the target's final hidden h_i for positions
+``start .. start+T-1`` and ``req.tokens`` supplies t_{i+1}, so the pairs fill the head's
+own KV cache at positions i. The last pair's argmax is draft 1; drafts 2..K chain the head
+on its own output hidden, writing KV past the committed length (overwritten next cycle,
+so a rejection needs no rollback). Drafts are argmax, so q is one-hot.
+
+The target must tap its last layer (``tap_layers`` includes num_layers-1; that tap is
+post-norm, as the MTP equations want); a check says so before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftflow.core.errors import DraftflowError
+from draftflow.core.hookspecs import hookimpl
+from draftflow.core.manifest import KV_TOKENS, BufferSpec, Manifest, Port, Vram
+from draftflow.core.node import Node
+from draftflow.core.params import ParamSpec
+from draftflow.core.ports import Proposal
+from draftflow.core.problems import Problem
+from draftflow.core.registry import NodeType
+from draftflow.plugins.mtp.model import load_head
+from draftflow.plugins.mtp.weights import LAYOUTS, find_mtp
+from draftflow.plugins.target.kv_cache import KVCache
+
+PARAMS = (
+    ParamSpec("path", "path", help="the target's checkpoint directory when it carries MTP weights, "
+                                   "or a standalone MTP safetensors file or directory"),
+    ParamSpec("config", "path", "", "config.json (or its directory) describing the model; default: next to path"),
+    ParamSpec("layout", "str", "auto", "tensor naming; auto detects it from the checkpoint", choices=("auto",) + LAYOUTS),
+    ParamSpec("prefill_chunk", "int", 512, "pairs per forward when catching up on a prompt"),
+)
+
+
+def manifest(params, env) -> Manifest:
+    ckpt = find_mtp(params["path"], params["config"], params["layout"])
+    cfg, dtype = ckpt.config, getattr(torch, env.dtype)
+    chunk = params["prefill_chunk"]
+    scratch = chunk * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + env.num_draft * cfg.vocab_size * 4
+    return Manifest(
+        role="drafter",
+        inputs=(Port("features", "features", carried=True, doc="target taps incl. the last layer (post-norm hidden)"),),
+        outputs=(Port("proposal", "proposal", doc="K argmax drafts, probs None"),),
+        owns=(BufferSpec("mtp_kv", (1, 2, 1, KV_TOKENS, cfg.num_kv_heads, cfg.head_dim), env.dtype,
+                         doc="K and V of the MTP block, addressed by pair position i"),),
+        vram=Vram(weights=ckpt.nbytes(dtype), scratch=scratch),
+        requires={"target.features"},
+    )
+
+
+def _target_of(graph_nodes: dict):
+    for node in graph_nodes.values():
+        if hasattr(node, "model") and node.ctx.manifest.role == "target":
+            return node
+    raise DraftflowError("the mtp node found no target node with a model to share the embedding with")
+
+
+class Mtp(Node):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        p = ctx.params
+        self.ckpt = find_mtp(p["path"], p["config"], p["layout"])
+        self.head = load_head(self.ckpt, ctx.device, ctx.dtype).eval()
+        self.cache = KVCache.from_static(ctx.buffers["mtp_kv"])
+        self.chunk = p["prefill_chunk"]
+        self.tap = None  # slice of the target's features holding the last layer, bound at prefill
+
+    def tensors(self):
+        yield from self.head.parameters()
+
+    def _bind(self) -> None:
+        # The target is built after its drafters (execution order), so bind on first use.
+        target = _target_of(self.ctx.graph_nodes)
+        last = target.config.num_layers - 1
+        taps = tuple(target.taps or ())
+        if last not in taps:
+            raise DraftflowError(f"target '{target.name}' does not tap its last layer {last}; "
+                                 f"set nodes.{target.name}.tap_layers=[..., {last}]")
+        h = target.config.hidden_size
+        i = taps.index(last)
+        self.tap = slice(i * h, (i + 1) * h)
+        self.head.bind(target.model.embed_tokens.weight, target.model.head_weight())
+
+    @torch.inference_mode()
+    def prefill(self, req):
+        if self.tap is None:
+            self._bind()
+        self.cache.crop(0)
+        return {}
+
+    @torch.inference_mode()
+    def step(self, req, inputs):
+        f = inputs["features"]  # Features: hidden [1, T, n_taps*H] for positions start..start+T-1
+        k = req.num_draft
+        if self.cache.length != f.start:  # the features must continue exactly where the last cycle's pairs ended
+            raise DraftflowError(f"mtp: features start at {f.start} but the MTP cache holds {self.cache.length} pairs; "
+                                 "feed mtp.features from the target's carried features output")
+        t = f.hidden.shape[1]
+        ids = torch.tensor([req.tokens[f.start + 1:f.start + t + 1]], dtype=torch.long, device=self.ctx.device)  # [1, T]
+        hidden = f.hidden[..., self.tap]  # [1, T, H]
+        logits = None  # a one-token prompt has no (t_{i+1}, h_i) pair yet: no drafts this cycle
+        for s in range(0, t, self.chunk):
+            logits, out = self.head(ids[:, s:s + self.chunk], hidden[:, s:s + self.chunk], f.start + s, self.cache)
+            self.cache.commit(f.start + min(s + self.chunk, t))
+        drafts = []
+        pos = f.start + t  # next pair: (draft 1, its hidden) at this position
+        for j in range(k if logits is not None else 0):
+            tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            drafts.append(tok)
+            if j + 1 < k:
+                logits, out = self.head(tok, out, pos + j, self.cache)
+        tokens = torch.cat(drafts, dim=1) if drafts else torch.empty((1, 0), dtype=torch.long, device=self.ctx.device)
+        return {"proposal": Proposal(tokens)}  # tokens: [1, K]
+
+
+def check_last_layer_tapped(plan):
+    """An mtp node needs the target's last-layer (final, post-norm) hidden among its taps."""
+    mtps = [n for n, r in plan.nodes.items() if r.node_type.name == "mtp"]
+    targets = [n for n, r in plan.nodes.items() if r.manifest.role == "target"]
+    if not mtps or len(targets) != 1 or "path" not in plan.nodes[targets[0]].params:
+        return
+    target = plan.nodes[targets[0]]
+    from draftflow.plugins.target.plugin import read_any_config
+
+    try:
+        cfg = read_any_config(target.params["path"])
+    except DraftflowError:
+        return  # the target's own manifest problem already says what is wrong
+    last = cfg.num_layers - 1
+    taps = list(target.params.get("tap_layers") or ())
+    where = plan.spec.node(targets[0]).where
+    for name in mtps:
+        if last not in taps:
+            fixed = ", ".join(map(str, sorted(set(taps) | {last})))
+            yield Problem(targets[0], "mtp-hidden",
+                          f"mtp node '{name}' needs the target's final hidden state, but tap_layers {taps} lacks the last layer {last}",
+                          f"set nodes.{targets[0]}.tap_layers=[{fixed}]", target.node_type.name, where)
+        p = plan.nodes[name].params
+        mcfg = find_mtp(p["path"], p["config"], p["layout"]).config
+        if (mcfg.hidden_size, mcfg.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+            yield Problem(name, "mtp-config",
+                          f"the MTP head has hidden {mcfg.hidden_size} / vocab {mcfg.vocab_size}, the target "
+                          f"{cfg.hidden_size} / {cfg.vocab_size}", "use the MTP weights made for this target",
+                          "mtp", plan.spec.node(name).where)
+
+
+@hookimpl
+def draftflow_register_nodes(registry):
+    registry.add_node_type(NodeType(
+        name="mtp", role="drafter", manifest=manifest, factory=Mtp, params=PARAMS,
+        description="multi-token-prediction head (DeepSeek-V3 or Qwen3-Next layout) chained K times"))
+
+
+@hookimpl
+def draftflow_add_checks(registry):
+    registry.add_check("mtp-hidden", check_last_layer_tapped)

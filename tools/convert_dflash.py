@@ -1,0 +1,123 @@
+"""Convert DFlash drafters between z-lab Hugging Face directories and GGUF, losslessly.
+
+    python -m draftflow.tools.convert_dflash DRAFTER_DIR out.gguf [--names hf]
+    python -m draftflow.tools.convert_dflash drafter.gguf OUT_DIR
+
+HF -> GGUF writes llama.cpp's `dflash` architecture: `blk.N.*` / `enc.output_norm` /
+`output_norm` names (or raw HF names with `--names hf`), `dflash.target_layers` = ids + 1,
+the mask id as `tokenizer.ggml.mask_token_id`. Matrices keep their dtype (F32, F16,
+BF16); 1-D tensors are stored as F32 as llama.cpp expects, and `general.file_type`
+records the original dtype so GGUF -> HF restores them bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import gguf
+import torch
+from safetensors.torch import save_file
+
+from draftflow.core.errors import ModelFormatError
+from draftflow.plugins.dflash.config import DFlashConfig
+from draftflow.plugins.dflash.loader import GGUF_ARCH, hf_to_gguf_name, is_gguf, read_artifact
+
+_FILE_TYPE = {torch.float32: gguf.LlamaFileType.ALL_F32, torch.float16: gguf.LlamaFileType.MOSTLY_F16,
+              torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16}
+
+
+def hf_to_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], names: str = "llama") -> None:
+    """Write `out` (GGUF) from the z-lab directory `src`; `names` is 'llama' (llama.cpp) or 'hf'."""
+    art = read_artifact(src)
+    cfg = art.config
+    if cfg.rope_scaling is not None:
+        raise ModelFormatError(f"{src}: RoPE scaling is not supported in DFlash GGUF files; keep the HF directory")
+    writer = gguf.GGUFWriter(str(out), GGUF_ARCH)
+    _write_metadata(writer, cfg, art.file_dtype)
+    for name, tensor in art.tensors.items():
+        gname = hf_to_gguf_name(name) if names == "llama" else name
+        if tensor.dim() == 1 or tensor.dtype == torch.float32:
+            writer.add_tensor(gname, tensor.float().numpy())
+        elif tensor.dtype == torch.bfloat16:
+            writer.add_tensor(gname, tensor.contiguous().view(torch.int16).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(gname, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_to_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> None:
+    """Write a z-lab directory (config.json + model.safetensors) from the GGUF `src`."""
+    art = read_artifact(src)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: (t.to(art.file_dtype) if t.dim() == 1 else t).contiguous() for n, t in art.tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    d = art.config.to_hf_dict()
+    d["dtype"] = str(art.file_dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_metadata(writer: gguf.GGUFWriter, cfg: DFlashConfig, file_dtype: torch.dtype) -> None:
+    a = GGUF_ARCH
+    writer.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
+    writer.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
+    writer.add_uint32(f"{a}.block_count", cfg.num_layers)
+    writer.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
+    writer.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
+    writer.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
+    writer.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
+    writer.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
+    writer.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+    writer.add_uint32(f"{a}.block_size", cfg.block_size)
+    # llama.cpp counts taps as inputs of layer L+1; the HF ids are outputs of layer L.
+    writer.add_array(f"{a}.target_layers", [i + 1 for i in cfg.target_layer_ids])
+    writer.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
+    if cfg.num_target_layers is not None:
+        writer.add_uint32(f"{a}.num_target_layers", cfg.num_target_layers)
+    if cfg.vocab_size is not None:
+        writer.add_uint32(f"{a}.vocab_size", cfg.vocab_size)
+    if cfg.layer_types:
+        writer.add_array(f"{a}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
+    if cfg.sliding_window is not None:
+        writer.add_uint32(f"{a}.attention.sliding_window", cfg.sliding_window)
+    if cfg.is_causal is not None:
+        writer.add_bool(f"{a}.attention.causal", cfg.is_causal)
+    if cfg.input_embedding_scale != 1.0:
+        writer.add_float32(f"{a}.embedding_scale", cfg.input_embedding_scale)
+    if cfg.output_multiplier != 1.0:
+        writer.add_float32(f"{a}.logit_scale", cfg.output_multiplier)
+    if cfg.final_logit_softcapping:
+        writer.add_float32(f"{a}.final_logit_softcapping", cfg.final_logit_softcapping)
+    writer.add_uint32("general.file_type", int(_FILE_TYPE[file_dtype]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: the direction follows the source (a directory -> GGUF, a .gguf file -> directory)."""
+    parser = argparse.ArgumentParser(prog="python -m draftflow.tools.convert_dflash", description=__doc__.split("\n")[0])
+    parser.add_argument("src", help="z-lab DFlash directory or .gguf file")
+    parser.add_argument("out", help="output .gguf file (from a directory) or directory (from a .gguf)")
+    parser.add_argument("--names", choices=("llama", "hf"), default="llama",
+                        help="GGUF tensor names: llama.cpp's (default) or the raw Hugging Face names")
+    args = parser.parse_args(argv)
+    try:
+        if is_gguf(args.src):
+            gguf_to_hf(args.src, args.out)
+        else:
+            hf_to_gguf(args.src, args.out, args.names)
+    except ModelFormatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
