@@ -39,6 +39,16 @@ def shortcut_graph(args) -> dict:
             target["params"]["tap_layers"] = [read_any_config(args.target).num_layers - 1]
         except DraftflowError:
             pass  # the target node reports the unreadable path itself
+    if args.dflash or args.dflash2:
+        # DFlash drafters condition on the target's hidden states at their trained tap layers.
+        from draftflow.plugins.dflash.loader import read_config as read_dflash_config
+
+        try:
+            taps = list(read_dflash_config(args.dflash or args.dflash2).target_layer_ids)
+            taps += [t for t in target["params"].get("tap_layers", []) if t not in taps]  # MTP's last layer
+            target["params"]["tap_layers"] = taps
+        except DraftflowError:
+            pass  # the drafter node reports the unreadable artifact itself
     nodes.update(drafters)
     nodes["verify"] = {"plugin": "verifier", "params": {}}
     graph = {"name": "generate", "nodes": nodes, "edges": []}
