@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import torch
 
 from draftflow.plugins.target.config import TargetConfig

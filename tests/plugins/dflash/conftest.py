@@ -16,12 +16,3 @@ def drafter_dir(tmp_path):
         return model, save_reference(model, tmp_path / name, dtype)
 
     return make
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _one_thread():
-    """Tiny models are dominated by thread hand-off; one thread is faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -83,12 +83,3 @@ def hf_dir(tmp_path: Path):
         return model, save_hf_model(model, tmp_path / f"{arch}-hf", **extra)
 
     return make
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _one_thread():
-    """Tiny models are dominated by thread hand-off; one thread makes the folder ~3x faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
