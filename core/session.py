@@ -27,7 +27,9 @@ def shortcut_graph(args) -> dict:
     if args.lookup:
         drafters.append(("lookup", {"plugin": "prompt-lookup", "params": {}}))
     if args.dflash2:
-        drafters.append(("dflash2", {"plugin": "dflash2", "params": {"path": args.dflash2}}))
+        # The DFlash2 drafter emits candidates; its selector node produces the proposal.
+        nodes["dflash2"] = {"plugin": "dflash2", "params": {"path": args.dflash2}}
+        drafters.append(("selector", {"plugin": "dflash2-selector", "params": {}}))
     if args.dflash:
         drafters.append(("dflash", {"plugin": "dflash", "params": {"path": args.dflash}}))
     if args.mtp is not None:

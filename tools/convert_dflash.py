@@ -1,4 +1,4 @@
-"""Convert DFlash drafters between z-lab Hugging Face directories and GGUF, losslessly.
+"""Convert DFlash and DFlash2 drafters between z-lab Hugging Face directories and GGUF, losslessly.
 
     python -m draftflow.tools.convert_dflash DRAFTER_DIR out.gguf [--names hf]
     python -m draftflow.tools.convert_dflash drafter.gguf OUT_DIR
@@ -7,7 +7,9 @@ HF -> GGUF writes llama.cpp's `dflash` architecture: `blk.N.*` / `enc.output_nor
 `output_norm` names (or raw HF names with `--names hf`), `dflash.target_layers` = ids + 1,
 the mask id as `tokenizer.ggml.mask_token_id`. Matrices keep their dtype (F32, F16,
 BF16); 1-D tensors are stored as F32 as llama.cpp expects, and `general.file_type`
-records the original dtype so GGUF -> HF restores them bit for bit.
+records the original dtype so GGUF -> HF restores them bit for bit. DFlash2 artifacts are
+recognised by themselves (HF `architectures`, or `selector_hidden.weight` in the GGUF) and
+add `dflash.conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
 """
 
 from __future__ import annotations
@@ -25,21 +27,32 @@ from safetensors.torch import save_file
 from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.loader import GGUF_ARCH, hf_to_gguf_name, is_gguf, read_artifact
+from draftflow.plugins.dflash2 import loader as dflash2_loader
+from draftflow.plugins.dflash2.config import CODEBOOKS, EXTRA_KEYS
 
 _FILE_TYPE = {torch.float32: gguf.LlamaFileType.ALL_F32, torch.float16: gguf.LlamaFileType.MOSTLY_F16,
               torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16}
 
 
 def hf_to_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], names: str = "llama") -> None:
-    """Write `out` (GGUF) from the z-lab directory `src`; `names` is 'llama' (llama.cpp) or 'hf'."""
-    art = read_artifact(src)
-    cfg = art.config
+    """Write `out` (GGUF) from the z-lab directory `src`; `names` is 'llama' (llama.cpp) or 'hf'.
+
+    A DFlash2 directory (architectures DFlash2DraftModel) also gets its convolution and
+    selector tensors (`blk.N.attn_conv_base`, `selector_hidden.weight`, ...) and keys.
+    """
+    is_v2 = dflash2_loader.is_dflash2(src)
+    art = dflash2_loader.read_artifact(src) if is_v2 else read_artifact(src)
+    cfg = art.config.base if is_v2 else art.config
     if cfg.rope_scaling is not None:
         raise ModelFormatError(f"{src}: RoPE scaling is not supported in DFlash GGUF files; keep the HF directory")
     writer = gguf.GGUFWriter(str(out), GGUF_ARCH)
     _write_metadata(writer, cfg, art.file_dtype)
+    if is_v2:
+        for key in EXTRA_KEYS:
+            writer.add_uint32(f"{GGUF_ARCH}.{key}", getattr(art.config, key))
+    to_llama = dflash2_loader.hf_to_gguf_name if is_v2 else hf_to_gguf_name
     for name, tensor in art.tensors.items():
-        gname = hf_to_gguf_name(name) if names == "llama" else name
+        gname = to_llama(name) if names == "llama" else name
         if tensor.dim() == 1 or tensor.dtype == torch.float32:
             writer.add_tensor(gname, tensor.float().numpy())
         elif tensor.dtype == torch.bfloat16:
@@ -54,10 +67,14 @@ def hf_to_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], names: 
 
 def gguf_to_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> None:
     """Write a z-lab directory (config.json + model.safetensors) from the GGUF `src`."""
-    art = read_artifact(src)
+    is_v2 = dflash2_loader.is_dflash2(src)
+    art = dflash2_loader.read_artifact(src) if is_v2 else read_artifact(src)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: (t.to(art.file_dtype) if t.dim() == 1 else t).contiguous() for n, t in art.tensors.items()}
+    if is_v2:  # published DFlash2 checkpoints store the codebooks without `.weight`
+        tensors = {n.removesuffix(".weight") if n.removesuffix(".weight") in CODEBOOKS else n: t
+                   for n, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     d = art.config.to_hf_dict()
     d["dtype"] = str(art.file_dtype).removeprefix("torch.")
@@ -103,7 +120,7 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: DFlashConfig, file_dtype: torc
 def main(argv: list[str] | None = None) -> int:
     """CLI: the direction follows the source (a directory -> GGUF, a .gguf file -> directory)."""
     parser = argparse.ArgumentParser(prog="python -m draftflow.tools.convert_dflash", description=__doc__.split("\n")[0])
-    parser.add_argument("src", help="z-lab DFlash directory or .gguf file")
+    parser.add_argument("src", help="z-lab DFlash / DFlash2 directory or .gguf file")
     parser.add_argument("out", help="output .gguf file (from a directory) or directory (from a .gguf)")
     parser.add_argument("--names", choices=("llama", "hf"), default="llama",
                         help="GGUF tensor names: llama.cpp's (default) or the raw Hugging Face names")

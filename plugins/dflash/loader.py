@@ -102,16 +102,18 @@ def load_drafter(path: str | os.PathLike[str], device, dtype: torch.dtype) -> tu
 
 
 def check_tensors(found: dict[str, tuple[tuple[int, ...], str]], cfg: DFlashConfig, source: str,
-                  names: dict[str, str] | None = None) -> None:
+                  names: dict[str, str] | None = None, expected: dict[str, tuple[int, ...]] | None = None,
+                  kind: str = "DFlash") -> None:
     """Validate tensor names, shapes and dtypes (keyed by HF name) against `cfg`.
 
     Foreign formats are rejected first, each with its own message; then one message lists
-    every missing, extra and mis-shaped tensor.
+    every missing, extra and mis-shaped tensor. The dflash2 plugin passes its own
+    `expected` set (which includes the DFlash2 tensors) and `kind="DFlash2"`.
     """
     names = names or {}
     shown = {hf: names.get(hf, hf) for hf in found}
     for hf, name in shown.items():
-        if _DFLASH2.search(hf) or _DFLASH2.search(name):
+        if expected is None and (_DFLASH2.search(hf) or _DFLASH2.search(name)):
             raise ModelFormatError(
                 f"{source}: tensor {name!r} is a DFlash2 convolution/selector tensor; this is a DFlash2 artifact, "
                 "which the dflash node cannot run; use the dflash2 plugin (plugin: dflash2) for it")
@@ -129,18 +131,18 @@ def check_tensors(found: dict[str, tuple[tuple[int, ...], str]], cfg: DFlashConf
         if dtype not in DTYPES:
             raise ModelFormatError(f"{source}: tensor {shown[hf]!r} has dtype {dtype}; expected BF16, F16 or F32; "
                                    "re-export the artifact in one of them")
-    expected = expected_tensors(cfg)
+    expected = expected_tensors(cfg) if expected is None else expected
     problems = [f"tensor {names.get(n, n)!r} is missing (expected shape {list(s)})" for n, s in expected.items() if n not in found]
     for hf, (shape, _) in found.items():
         want = expected.get(hf)
         if want is None:
-            problems.append(f"tensor {shown[hf]!r} is not part of a DFlash drafter (unknown extra tensor)")
+            problems.append(f"tensor {shown[hf]!r} is not part of a {kind} drafter (unknown extra tensor)")
         elif tuple(shape) != want:
             problems.append(f"tensor {shown[hf]!r} has shape {list(shape)}, expected {list(want)}")
     if problems:
         more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
         raise ModelFormatError(
-            f"{source}: {len(problems)} tensor problem(s) against a {cfg.num_layers}-layer, {cfg.num_taps}-tap DFlash "
+            f"{source}: {len(problems)} tensor problem(s) against a {cfg.num_layers}-layer, {cfg.num_taps}-tap {kind} "
             f"config ({len(expected)} tensors expected): " + "; ".join(problems[:_MAX_LISTED]) + more
             + "; fix: make the config match the weights or re-export the artifact")
 

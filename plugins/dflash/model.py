@@ -55,6 +55,11 @@ class DFlashLayer(nn.Module):
         self.self_attn = DFlashAttention(cfg, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
+        # Optional sublayer wrappers (DFlash2's dynamic convolutions): an object with
+        # `prepare(u) -> (u', state)` applied to the normed sublayer input and
+        # `finish(y, state) -> y'` applied to the sublayer output before the residual add.
+        self.attention_conv = None
+        self.mlp_conv = None
 
 
 class DFlashModel(nn.Module):
@@ -106,6 +111,8 @@ class DFlashModel(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
+            if layer.attention_conv is not None:
+                h, attn_state = layer.attention_conv.prepare(h)
             q = attn.q_norm(attn.q_proj(h).view(1, width, attn.num_heads, attn.head_dim))
             q = _rotate(q, cos, sin)
             k, v = attn.keys_values(h, cos, sin)
@@ -114,8 +121,16 @@ class DFlashModel(nn.Module):
             mask = _mask(start, width, cfg.layer_is_causal(i),
                          cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None, block.device)
             out = _attend(q, keys, values, mask, attn.num_heads != attn.num_kv_heads)
-            x = x + attn.o_proj(out.reshape(1, width, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            y = attn.o_proj(out.reshape(1, width, -1))
+            if layer.attention_conv is not None:
+                y = layer.attention_conv.finish(y, attn_state)
+            x = x + y
+            u = layer.post_attention_layernorm(x)
+            if layer.mlp_conv is None:
+                x = x + layer.mlp(u)
+            else:
+                u, mlp_state = layer.mlp_conv.prepare(u)
+                x = x + layer.mlp_conv.finish(layer.mlp(u), mlp_state)
         return self.norm(x)
 
 

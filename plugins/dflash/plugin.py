@@ -57,6 +57,8 @@ def manifest(params, env) -> Manifest:
 
 
 class DFlash(Node):
+    KIND = "dflash"  # the node type named in messages (subclasses reuse the block forward)
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
@@ -74,15 +76,15 @@ class DFlash(Node):
         target = next((n for n in self.ctx.graph_nodes.values()
                        if n.ctx.manifest.role == "target" and hasattr(n, "model")), None)
         if target is None:
-            raise ModelFormatError(f"node '{self.name}' (dflash): no target node with a model to bind the embedding "
+            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): no target node with a model to bind the embedding "
                                    "and LM head from; add a `target` node to the graph")
         model, cfg = target.model, self.config
         self.embed, self.head = model.embed_tokens.weight, model.head_weight()
         if self.embed.shape[1] != cfg.hidden_size:
-            raise ModelFormatError(f"node '{self.name}' (dflash): target hidden size {self.embed.shape[1]} differs from "
+            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): target hidden size {self.embed.shape[1]} differs from "
                                    f"the drafter's {cfg.hidden_size}; use the drafter trained for this target")
         if not 0 <= cfg.mask_token_id < self.embed.shape[0]:
-            raise ModelFormatError(f"node '{self.name}' (dflash): mask_token_id {cfg.mask_token_id} is outside the "
+            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): mask_token_id {cfg.mask_token_id} is outside the "
                                    f"target's vocabulary of {self.embed.shape[0]}; use the drafter trained for this target")
 
     @torch.inference_mode()
@@ -97,30 +99,38 @@ class DFlash(Node):
             return
         hidden, start = features.hidden, features.start  # [1, C, n_taps * H]
         if start > self.cache.length:
-            raise ModelFormatError(f"node '{self.name}' (dflash): features start at position {start} but the draft "
+            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): features start at position {start} but the draft "
                                    f"cache holds {self.cache.length}; wire target.features -> {self.name}.features (carried)")
         self.cache.crop(start)
         for i in range(0, hidden.shape[1], CONTEXT_CHUNK):
             self.model.add_context(hidden[:, i:i + CONTEXT_CHUNK], start + i, self.cache)
 
-    @torch.inference_mode()
-    def step(self, req, inputs):
+    def draft_block(self, req, inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Ingest new features, run one block; the draft rows' hidden states and logits (None when K = 0)."""
+        # returns hidden: [1, K, H] (final-normed), logits: [1, K, V] float32
         self._bind()
         self._ingest(inputs.get("features"))
         cfg, device = self.config, self.ctx.device
         k = min(cfg.block_size - 1, req.num_draft)
         if k == 0:
-            return {"proposal": Proposal(torch.empty(1, 0, dtype=torch.long, device=device))}
+            return None
         if self.cache.length != req.position:
-            raise ModelFormatError(f"node '{self.name}' (dflash): draft cache holds {self.cache.length} positions but "
+            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): draft cache holds {self.cache.length} positions but "
                                    f"the anchor is at {req.position}; the target must tap {list(cfg.target_layer_ids)}")
         block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=device)  # [1, K+1]
         block[0, 0] = req.anchor
         x = torch.nn.functional.embedding(block, self.embed)  # [1, K+1, H]
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
-        hidden = self.model(x, self.cache)  # [1, K+1, H]; block K/V sit past cache.length, dropped by the next crop
-        logits = draft_logits(hidden[:, 1:], self.head, cfg)  # [1, K, V]
+        hidden = self.model(x, self.cache)[:, 1:]  # [1, K, H]; block K/V sit past cache.length, dropped by the next crop
+        return hidden, draft_logits(hidden, self.head, cfg)
+
+    @torch.inference_mode()
+    def step(self, req, inputs):
+        drafted = self.draft_block(req, inputs)
+        if drafted is None:
+            return {"proposal": Proposal(torch.empty(1, 0, dtype=torch.long, device=self.ctx.device))}
+        _, logits = drafted  # [1, K, V]
         s = req.sampling
         if s.temperature == 0:
             return {"proposal": Proposal(logits.argmax(dim=-1))}

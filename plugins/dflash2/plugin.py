@@ -1,0 +1,208 @@
+"""The `dflash2` drafter node and the selector nodes `dflash2-selector` and `top1-selector`.
+
+`dflash2` runs the DFlash2 backbone (DFlash's block forward with the convolutions) and
+outputs `candidates`: the top-M ids of each draft row's logits, their unary logits and
+the rows' final-normed hidden states. A selector node turns them into the `proposal`:
+
+- `dflash2-selector`: the learned pairwise walk (see `model.walk`); greedy at T = 0, at
+  T > 0 sampled, with q over the M candidates for candidate-restricted rejection sampling.
+- `top1-selector`: the ablation without the pairwise term; argmax of the unary logits at
+  T = 0, at T > 0 a sample from softmax(unary / T) over the candidates (with that q).
+
+The selector's weights are in the dflash2 artifact. They travel with the candidates: the
+drafter emits `DFlash2Candidates`, a `Candidates` that also references the drafter's
+`CandidateSelector` module (no copy), so a selector needs no name lookup and works with
+whichever dflash2 node feeds it. The `dflash2-source` check rejects graphs where another
+kind of node feeds `dflash2-selector`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from draftflow.core.errors import ModelFormatError
+from draftflow.core.hookspecs import hookimpl
+from draftflow.core.manifest import KV_TOKENS, BufferSpec, Incompatibility, Manifest, Port, Vram
+from draftflow.core.node import Node
+from draftflow.core.params import ParamSpec
+from draftflow.core.ports import Candidates, Proposal
+from draftflow.core.problems import Problem
+from draftflow.core.registry import NodeType
+from draftflow.plugins.dflash.config import kv_shape
+from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash
+from draftflow.plugins.dflash2.config import weight_bytes
+from draftflow.plugins.dflash2.loader import load_drafter, read_config
+from draftflow.plugins.dflash2.model import CandidateSelector, walk
+from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.verify import sample
+
+PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),)
+
+
+@attrs.define
+class DFlash2Candidates(Candidates):
+    """`Candidates` plus the producing drafter's selector weights (a module reference)."""
+
+    selector: CandidateSelector | None = None
+
+
+def manifest(params, env) -> Manifest:
+    cfg = read_config(params["path"])
+    base, dtype = cfg.base, getattr(torch, env.dtype)
+    h, taps, b = base.hidden_size, base.num_taps, base.block_size
+    scratch = (CONTEXT_CHUNK * (taps * h + 4 * h) + b * (6 * h + 2 * base.intermediate_size)) * dtype.itemsize \
+        + 2 * b * cfg.vocab_size * 4
+    return Manifest(
+        role="drafter",
+        inputs=(Port("features", "features", carried=True,
+                     doc=f"target taps of layers {list(base.target_layer_ids)} for the newly committed tokens"),),
+        outputs=(Port("candidates", "candidates",
+                      doc=f"top-{cfg.selector_top_k} ids and unary logits per draft row, with hidden states"),),
+        owns=(BufferSpec("dflash2_kv", kv_shape(base, KV_TOKENS), env.dtype,
+                         doc="context K/V per draft layer, addressed by position"),),
+        vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
+        requires={"target.features"},
+        incompatible=(Incompatibility("kv.grow", KV_GROW_REASON.replace("DFlash", "DFlash2")),),
+    )
+
+
+class DFlash2(DFlash):
+    """DFlash's node (binding, feature ingest, block forward) on the DFlash2 model; emits candidates."""
+
+    KIND = "dflash2"
+
+    def __init__(self, ctx):
+        Node.__init__(self, ctx)
+        self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
+        self.config = self.config2.base  # what DFlash's binding and block forward read
+        self.cache = KVCache.from_static(ctx.buffers["dflash2_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
+        self.embed: torch.Tensor | None = None  # [V, H], the target's
+        self.head: torch.Tensor | None = None  # [V, H], the target's
+
+    def _bind(self) -> None:
+        first = self.embed is None
+        super()._bind()
+        if first and self.embed.shape[0] < self.config2.vocab_size:
+            raise ModelFormatError(f"node '{self.name}' (dflash2): the selector's codebooks have "
+                                   f"{self.config2.vocab_size} rows but the target's vocabulary has "
+                                   f"{self.embed.shape[0]}; use the drafter trained for this target")
+
+    @torch.inference_mode()
+    def step(self, req, inputs):
+        drafted = self.draft_block(req, inputs)
+        selector = self.model.candidate_selector
+        if drafted is None:
+            m, device = self.config2.selector_top_k, self.ctx.device
+            return {"candidates": DFlash2Candidates(torch.empty(1, 0, m, dtype=torch.long, device=device),
+                                                    torch.empty(1, 0, m, device=device), None, selector)}
+        hidden, logits = drafted  # [1, K, H], [1, K, V]
+        # Codebooks may be narrower than a padded target head: never propose an id without a row.
+        logits = logits[..., :self.config2.vocab_size]
+        scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [1, K, M] each, best first
+        return {"candidates": DFlash2Candidates(ids, scores, hidden, selector)}
+
+
+def selector_manifest(params, env) -> Manifest:
+    return Manifest(
+        role="selector",
+        inputs=(Port("candidates", "candidates", doc="top-M candidates per draft row"),),
+        outputs=(Port("proposal", "proposal"),),
+        provides={"sampling.temperature>0"},
+    )
+
+
+class DFlash2Selector(Node):
+    """The learned pairwise walk over the candidates."""
+
+    @torch.inference_mode()
+    def step(self, req, inputs):
+        cand = inputs["candidates"]
+        if cand.ids.shape[1] == 0:
+            return {"proposal": Proposal(cand.ids[..., 0])}
+        selector = getattr(cand, "selector", None)
+        if selector is None:
+            raise ModelFormatError(f"node '{self.name}' (dflash2-selector): its candidates carry no selector weights; "
+                                   "feed it from a dflash2 node, or use plugin: top1-selector")
+        anchor = torch.full((1,), req.anchor, dtype=torch.long, device=cand.ids.device)
+        t = req.sampling.temperature
+        drafts, q = walk(selector, cand.ids, cand.scores, cand.hidden, anchor, t, req.generator)
+        if q is None:
+            return {"proposal": Proposal(drafts)}
+        return {"proposal": Proposal(drafts, probs=q, candidate_ids=cand.ids)}
+
+
+class Top1Selector(Node):
+    """Ablation: no pairwise term; the unary logits alone pick (T = 0) or weigh (T > 0) the candidates."""
+
+    @torch.inference_mode()
+    def step(self, req, inputs):
+        cand = inputs["candidates"]  # ids, scores: [1, K, M]
+        t = req.sampling.temperature
+        if t == 0 or cand.ids.shape[1] == 0:
+            pick = cand.scores.argmax(dim=-1, keepdim=True)  # [1, K, 1]
+            return {"proposal": Proposal(cand.ids.gather(-1, pick)[..., 0])}
+        # A deterministic top-1 draft with a non-one-hot q would not be lossless: sample from the q we hand over.
+        q = (cand.scores.float() / t).softmax(dim=-1)  # [1, K, M]
+        pick = sample(q, req.generator)  # [1, K]
+        return {"proposal": Proposal(cand.ids.gather(-1, pick[..., None])[..., 0], probs=q, candidate_ids=cand.ids)}
+
+
+def check_tap_layers(plan):
+    """A dflash2 node's target_layer_ids equal the target's tap_layers (same order)."""
+    targets = [n for n in plan.by_role("target") if "tap_layers" in plan.nodes[n].params]
+    for name, node in plan.nodes.items():
+        if node.node_type.name != "dflash2" or not targets:
+            continue
+        ids = read_config(node.params["path"]).base.target_layer_ids
+        target = targets[0]
+        taps = tuple(plan.nodes[target].params["tap_layers"])
+        if taps != ids:
+            yield Problem(name, "dflash2-taps", f"the drafter reads target layers {list(ids)} but target '{target}' "
+                          f"taps {list(taps)}", f"set nodes.{target}.tap_layers={list(ids)}", "dflash2",
+                          plan.spec.node(name).where if plan.spec.node(name) else "")
+
+
+def check_selector_source(plan):
+    """A dflash2-selector's candidates come from a dflash2 node (whose artifact holds the codebooks)."""
+    for edge in plan.edges:
+        dst, src = plan.nodes.get(edge.dst), plan.nodes.get(edge.src)
+        if dst is None or src is None or dst.node_type.name != "dflash2-selector" or src.node_type.name == "dflash2":
+            continue
+        yield Problem(edge.dst, "dflash2-source", f"candidates come from '{edge.src}' ({src.node_type.name}), which "
+                      "has no selector codebooks", f"feed {edge.dst}.candidates from a dflash2 node, or use plugin: "
+                      "top1-selector", "dflash2", plan.spec.node(edge.dst).where if plan.spec.node(edge.dst) else "")
+
+
+def check_candidates_used(plan):
+    """A dflash2 node's candidates feed some node; else it would draft nothing, silently."""
+    fed = {e.src for e in plan.edges if e.src_port == "candidates"}
+    for name, node in plan.nodes.items():
+        if node.node_type.name == "dflash2" and name not in fed:
+            yield Problem(name, "dflash2-unused", "its candidates feed no node, so the graph never drafts",
+                          f"add a selector node, e.g. `selector: {{plugin: dflash2-selector}}` (or top1-selector), "
+                          f"fed by {name}.candidates", "dflash2",
+                          plan.spec.node(name).where if plan.spec.node(name) else "")
+
+
+@hookimpl
+def draftflow_register_nodes(registry):
+    registry.add_node_type(NodeType(
+        name="dflash2", role="drafter", manifest=manifest, factory=DFlash2, params=PARAMS,
+        capabilities=("candidates",),
+        description="DFlash2 block drafter: DFlash + dynamic convolutions; top-M candidates per draft row"))
+    registry.add_node_type(NodeType(
+        name="dflash2-selector", role="selector", manifest=selector_manifest, factory=DFlash2Selector, params=(),
+        capabilities=("proposal", "sampling.temperature>0"),
+        description="DFlash2's learned candidate selector: pairwise codebook walk over the drafter's candidates"))
+    registry.add_node_type(NodeType(
+        name="top1-selector", role="selector", manifest=selector_manifest, factory=Top1Selector, params=(),
+        capabilities=("proposal", "sampling.temperature>0"),
+        description="ablation selector: top-1 of the unary logits (T > 0: softmax over the candidates)"))
+
+
+@hookimpl
+def draftflow_add_checks(registry):
+    registry.add_check("dflash2-taps", check_tap_layers)
+    registry.add_check("dflash2-source", check_selector_source)
+    registry.add_check("dflash2-unused", check_candidates_used)
