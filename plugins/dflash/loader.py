@@ -91,14 +91,19 @@ def read_artifact(path: str | os.PathLike[str]) -> Artifact:
     return _read_gguf(p) if is_gguf(p) else _read_hf(p)
 
 
-def load_drafter(path: str | os.PathLike[str], device, dtype: torch.dtype) -> tuple[DFlashModel, DFlashConfig]:
-    """Read, validate and place the drafter's weights on `device` in `dtype`."""
-    art = read_artifact(path)
-    model = DFlashModel(art.config, dtype=dtype, device="meta")
+def instantiate(art, model_cls, device, dtype: torch.dtype):
+    """Build `model_cls(art.config)` on the meta device and place the artifact's weights on `device`."""
+    model = model_cls(art.config, dtype=dtype, device="meta")
     state = {name: t.to(device=device, dtype=dtype) for name, t in art.tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # the non-persistent RoPE buffer
-    return model, art.config
+    return model
+
+
+def load_drafter(path: str | os.PathLike[str], device, dtype: torch.dtype) -> tuple[DFlashModel, DFlashConfig]:
+    """Read, validate and place the drafter's weights on `device` in `dtype`."""
+    art = read_artifact(path)
+    return instantiate(art, DFlashModel, device, dtype), art.config
 
 
 def check_tensors(found: dict[str, tuple[tuple[int, ...], str]], cfg: DFlashConfig, source: str,

@@ -94,11 +94,7 @@ def read_artifact(path: str | os.PathLike[str]) -> Artifact:
 def load_drafter(path: str | os.PathLike[str], device, dtype: torch.dtype) -> tuple[DFlash2Model, DFlash2Config]:
     """Read, validate and place the drafter's weights on `device` in `dtype`."""
     art = read_artifact(path)
-    model = DFlash2Model(art.config, dtype=dtype, device="meta")
-    state = {name: t.to(device=device, dtype=dtype) for name, t in art.tensors.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    model.to(device)  # the non-persistent RoPE buffer
-    return model, art.config
+    return dflash_loader.instantiate(art, DFlash2Model, device, dtype), art.config
 
 
 def gguf_config2(reader: GGUFReader, source: str) -> DFlash2Config:

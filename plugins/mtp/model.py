@@ -21,13 +21,8 @@ from draftflow.plugins.target.kv_cache import KVCache
 from draftflow.plugins.target.model import DecoderLayer, RMSNorm, rope_inv_freq
 
 
-class UnitOffsetRMSNorm(nn.Module):
+class UnitOffsetRMSNorm(RMSNorm):
     """Qwen3-Next RMSNorm: x̂·(1+w), computed in float32 and cast back (w starts at 0)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
