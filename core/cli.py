@@ -1,4 +1,4 @@
-"""The `draftflow` command line: generate, check, plugins, trace summarize.
+"""The `draftflow` command line: generate, check, serve, plugins, trace summarize.
 
 User errors print one line (``error: ...``) and exit 1; usage errors exit 2 (argparse).
 """
@@ -54,6 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="check a graph statically and print its plan")
     _add_graph_args(c, positional=True)
     c.add_argument("--draw", metavar="OUT.png", help="also render the graph to an image")
+
+    sv = sub.add_parser("serve", help="serve a graph over an OpenAI-compatible HTTP API (runs `check` first)")
+    _add_graph_args(sv, positional=True)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
+    sv.add_argument("--api-key", dest="api_keys", action="append", default=[], metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' (repeatable; also $DRAFTFLOW_API_KEY)")
+    sv.add_argument("--served-model-name", dest="model_names", action="append", default=[], metavar="NAME",
+                    help="model name(s) clients send (default: the graph's name)")
+    sv.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 503")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    sv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    sv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
+    sv.add_argument("--spec-stats", action="store_true", help="add speculative_decoding stats to every response")
+    sv.add_argument("--trace", metavar="FILE.jsonl", help="write every cycle and request event as JSON lines")
+
+    tr = sub.add_parser("train", help="train a DFlash or MTP drafter against a frozen target",
+                        description="Options of a recipe: draftflow train dflash --help")
+    tr.add_argument("recipe", choices=("dflash", "dflash2", "mtp"))
+    tr.add_argument("train_args", nargs=argparse.REMAINDER, metavar="...", help="the recipe's options")
 
     sub.add_parser("plugins", help="list node types and where they were loaded from")
 
@@ -132,6 +152,18 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from draftflow.core.server import run_serve
+
+    return run_serve(args)
+
+
+def cmd_train(args) -> int:
+    from draftflow.tools.train.cli import main as train_main
+
+    return train_main([args.recipe, *args.train_args])
+
+
 def cmd_plugins(args) -> int:
     from draftflow.core.registry import load_registry
 
@@ -162,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     configure_logging(verbose=args.verbose)
-    handler = {"generate": cmd_generate, "check": cmd_check, "plugins": cmd_plugins, "trace": cmd_trace}[args.command]
+    handler = {"generate": cmd_generate, "check": cmd_check, "plugins": cmd_plugins, "trace": cmd_trace, "train": cmd_train,
+               "serve": cmd_serve}[args.command]
     try:
         return handler(args)
     except CheckError as exc:

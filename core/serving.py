@@ -1,0 +1,283 @@
+"""Serving: a fair request queue and one worker thread that owns the executor.
+
+The executor runs one request at a time and knows nothing about HTTP. The worker takes
+requests from a ``FairQueue`` (round-robin over client keys) and calls
+``Executor.generate``. Streaming, stop strings and cancellation ride on the trace hook the
+executor already calls after every cycle: the worker registers itself as a trace sink,
+turns each ``draft_cycle`` event of the running request into text deltas for the waiting
+HTTP handler, and raises ``EndRequest`` from the hook to stop a request early (client gone,
+or a stop string appeared). ``generate`` re-prefills every node on its next call, so an
+interrupted request leaves the executor usable.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+
+import attrs
+import structlog
+
+from draftflow.core.errors import DraftflowError
+from draftflow.core.hookspecs import hookimpl
+from draftflow.core.node import SamplingParams
+from draftflow.core.serve_metrics import Metrics
+from draftflow.core.tracing import RequestStats, emit_request
+
+log = structlog.get_logger("draftflow")
+
+
+class QueueFull(Exception):
+    """Raised by ``FairQueue.put`` when ``max_waiting`` requests are already waiting (HTTP 503)."""
+
+
+class EndRequest(Exception):
+    """Raised from the cycle hook to end the running request early; ``reason`` is "stop" or "cancelled"."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StopScanner:
+    """Turns committed token ids into text deltas, holding back what a stop string may still claim.
+
+    After every cycle the whole output is decoded again (byte-level BPE decoding is
+    prefix-stable except for an unfinished UTF-8 character, shown as U+FFFD and held back).
+    The earliest occurrence of any stop string ends the text just before it; a tail that is
+    a prefix of some stop string is held back until it is decided.
+    """
+
+    def __init__(self, decode, stop: tuple[str, ...] = ()):
+        self.decode, self.stop = decode, tuple(stop)
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already handed out
+
+    def feed(self, ids) -> tuple[str, bool]:
+        """Add committed ids; return (text safe to send now, whether a stop string was hit)."""
+        self.ids.extend(ids)
+        text = self.decode(self.ids)
+        if self.stop:
+            start = max(0, self.sent - self.longest + 1)
+            hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+            if hits:
+                end = max(min(hits), self.sent)
+                delta, self.sent = text[self.sent:end], end
+                return delta, True
+        safe = len(text.rstrip("\ufffd"))
+        for k in range(min(self.longest - 1, safe - self.sent), 0, -1):
+            if any(s.startswith(text[safe - k:safe]) for s in self.stop):
+                safe -= k
+                break
+        delta, self.sent = text[self.sent:safe], max(safe, self.sent)
+        return delta, False
+
+    def flush(self) -> str:
+        """Everything not yet sent (the request ended without a stop string)."""
+        text = self.decode(self.ids)
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+
+@attrs.define(eq=False)
+class ServeRequest:
+    """One queued or running request. The worker writes ``events``; the HTTP handler reads them.
+
+    Events: ``("delta", text)``, ``("done", finish_reason, info)``, ``("error", status, message)``.
+    """
+
+    id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    client: str = "-"  # fairness key
+    events: queue.Queue = attrs.field(factory=queue.Queue)
+    cancelled: threading.Event = attrs.field(factory=threading.Event)
+    enqueued_at: float = attrs.field(factory=time.perf_counter)
+    started_at: float | None = None
+    first_token_at: float | None = None
+    stats: RequestStats = attrs.field(factory=RequestStats)
+    scanner: StopScanner | None = None
+    stop_hit: bool = False  # a stop string ended the text
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class FairQueue:
+    """Waiting requests, one FIFO lane per client key, served round-robin across lanes.
+
+    ``get`` takes the head of the first lane and moves that lane to the back, so a client
+    with 100 waiting requests and a client with 1 alternate instead of queueing in order.
+    """
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        self._lanes: OrderedDict[str, deque] = OrderedDict()
+        self._size = 0
+        self._cv = threading.Condition()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def put(self, req: ServeRequest) -> None:
+        with self._cv:
+            if self._size >= self.max_waiting:
+                raise QueueFull(f"{self._size} requests are waiting (the limit is {self.max_waiting}); retry later")
+            self._lanes.setdefault(req.client, deque()).append(req)
+            self._size += 1
+            self._cv.notify()
+
+    def get(self, timeout: float) -> ServeRequest | None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._size > 0, timeout):
+                return None
+            key, lane = self._lanes.popitem(last=False)
+            req = lane.popleft()
+            if lane:
+                self._lanes[key] = lane  # back of the rotation
+            self._size -= 1
+            return req
+
+    def remove(self, req: ServeRequest) -> bool:
+        """Take a waiting request out (its client went away); False if it is not waiting."""
+        with self._cv:
+            lane = self._lanes.get(req.client)
+            if lane is None or req not in lane:
+                return False
+            lane.remove(req)
+            if not lane:
+                del self._lanes[req.client]
+            self._size -= 1
+            return True
+
+    def drain(self) -> list[ServeRequest]:
+        with self._cv:
+            out = [r for lane in self._lanes.values() for r in lane]
+            self._lanes.clear()
+            self._size = 0
+            return out
+
+
+class Engine:
+    """Owns a ``Session``; one worker thread runs queued requests through its executor in turn."""
+
+    def __init__(self, session, max_waiting: int = 64, start: bool = True):
+        self.session = session
+        self.executor = session.executor
+        self.queue = FairQueue(max_waiting)
+        self.metrics = Metrics()
+        self.running: ServeRequest | None = None
+        self._closing = threading.Event()
+        target = self.executor.nodes[self.executor.target]
+        tokenizer = getattr(target, "tokenizer", None)
+        self.decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
+        session.registry.pm.register(self, name="draftflow-serve")
+        self._thread = threading.Thread(target=self._work, name="draftflow-worker", daemon=True)
+        if start:
+            self._thread.start()
+
+    @property
+    def context_tokens(self) -> int | None:
+        return self.executor.kv_tokens
+
+    def submit(self, req: ServeRequest) -> None:
+        """Queue a request; raises QueueFull when the waiting line is full."""
+        if self._closing.is_set():
+            raise QueueFull("the server is shutting down")
+        self.queue.put(req)
+        self.metrics.set_gauges(waiting=len(self.queue))
+
+    def cancel(self, req: ServeRequest) -> None:
+        """Client went away: drop it from the queue, or stop it after its current cycle."""
+        req.cancelled.set()
+        if self.queue.remove(req):
+            self.metrics.finish(req, "cancelled", 0)
+            self.metrics.set_gauges(waiting=len(self.queue))
+
+    def close(self) -> None:
+        self._closing.set()
+        if self.running is not None:
+            self.running.cancelled.set()
+        for req in self.queue.drain():
+            req.events.put(("error", 503, "the server is shutting down"))
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.session.registry.pm.unregister(self)
+
+    # --- worker -------------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self._closing.is_set():
+            req = self.queue.get(timeout=0.2)
+            if req is None:
+                continue
+            self.metrics.set_gauges(waiting=len(self.queue), running=1)
+            try:
+                self._run(req)
+            finally:
+                self.running = None
+                self.metrics.set_gauges(waiting=len(self.queue), running=0)
+
+    def _run(self, req: ServeRequest) -> None:
+        if req.cancelled.is_set():
+            self.metrics.finish(req, "cancelled", 0)
+            return
+        req.scanner = StopScanner(self.decode, req.stop)
+        req.started_at = time.perf_counter()
+        self.running = req
+        try:
+            result = self.executor.generate(req.prompt_ids, req.sampling, req.id)
+            finish, stats = result.finish_reason, dict(result.stats)
+        except EndRequest as end:
+            finish, stats = end.reason, self._cut_summary(req)
+        except DraftflowError as exc:  # RequestError: prompt past the context, ids outside the vocabulary
+            self.metrics.finish(req, "error", 0)
+            req.events.put(("error", 400, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug must not take the server down
+            log.exception("request_failed", request_id=req.id)
+            self.metrics.finish(req, "error", 0)
+            req.events.put(("error", 500, f"internal error while generating: {type(exc).__name__}: {exc}"))
+            return
+        tail = "" if req.stop_hit else req.scanner.flush()
+        if tail:
+            req.events.put(("delta", tail))
+        done = time.perf_counter()
+        info = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.scanner.ids),
+                "stats": {**stats, "queue_s": round(req.started_at - req.enqueued_at, 6),
+                          "latency_s": round(done - req.enqueued_at, 6)}}
+        self.metrics.finish(req, finish, len(req.scanner.ids), done)
+        req.events.put(("done", finish, info))
+
+    def _cut_summary(self, req: ServeRequest) -> dict:
+        """Stats of a request the hook ended early; also its request_done trace event (not sent by the executor)."""
+        elapsed = time.perf_counter() - req.started_at
+        tokens = len(req.scanner.ids)
+        summary = {**req.stats.summary(), "tokens_per_s": round(tokens / elapsed, 3) if elapsed > 0 else 0.0,
+                   "ttft_s": round((req.first_token_at or req.started_at) - req.started_at, 6)}
+        reason = "stop" if req.stop_hit else "cancelled"
+        if self.executor.hook is not None:
+            emit_request(self.executor.hook, {"request_id": req.id, "tokens": tokens, **summary, "finish_reason": reason})
+        return summary
+
+    @hookimpl(trylast=True)  # last, so every other trace sink still sees the cycle we may end
+    def draftflow_cycle_event(self, event):
+        req = self.running
+        if req is None or event["request_id"] != req.id:
+            return
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.stats.add(len(event["draft"]), event["accepted"], len(event["emitted"]))
+        delta, hit = req.scanner.feed(event["emitted"])
+        if delta:
+            req.events.put(("delta", delta))
+        if hit:
+            req.stop_hit = True
+            raise EndRequest("stop")
+        if req.cancelled.is_set():
+            raise EndRequest("cancelled")
