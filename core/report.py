@@ -58,7 +58,11 @@ def draw_plan(plan: GraphPlan, path: str) -> None:
     nx.draw_networkx_edges(g, pos, ax=ax, edgelist=solid, node_size=2600, arrowsize=16)
     nx.draw_networkx_edges(g, pos, ax=ax, edgelist=dashed, node_size=2600, arrowsize=16, style="dashed",
                            connectionstyle="arc3,rad=0.35")
-    nx.draw_networkx_edge_labels(g, pos, ax=ax, edge_labels={(u, v): d["label"] for u, v, d in g.edges(data=True)}, font_size=7)
+    nx.draw_networkx_edge_labels(g, pos, ax=ax, edge_labels={(u, v): d["label"] for u, v, d in g.edges(data=True) if not d["carried"]},
+                                 font_size=7)
+    nx.draw_networkx_edge_labels(g, pos, ax=ax, edge_labels={(u, v): d["label"] for u, v, d in g.edges(data=True) if d["carried"]},
+                                 font_size=7, connectionstyle="arc3,rad=0.35")
+    ax.margins(x=0.08, y=0.45)  # room for the carried arcs above the nodes
     ax.set_title(f"{plan.spec.name}: dashed = carried to the next cycle")
     ax.axis("off")
     fig.tight_layout()
