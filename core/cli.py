@@ -1,4 +1,4 @@
-"""The `draftflow` command line: generate, check, serve, plugins, trace summarize.
+"""The `draftflow` command line: generate, check, serve, train, plugins, trace summarize.
 
 User errors print one line (``error: ...``) and exit 1; usage errors exit 2 (argparse).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from draftflow.core.errors import CheckError, DraftflowError
 from draftflow.core.session import Session, shortcut_graph
 
-DEFAULT_GRAPH = "default.yaml"
+DEFAULT_GRAPH = "demo.yaml"
 
 
 def _add_graph_args(p: argparse.ArgumentParser, positional: bool) -> None:
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate tokens with a graph (runs `check` first)")
     g.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="prompt text (needs a tokenizer)")
-    g.add_argument("--graph", help="graph YAML (default: the shipped graphs/default.yaml unless --target is given)")
+    g.add_argument("--graph", help="graph YAML (default: the shipped graphs/demo.yaml unless --target is given)")
     g.add_argument("--target", help="target model: Hugging Face directory or .gguf file")
     g.add_argument("--dflash", metavar="PATH", help="add a DFlash drafter")
     g.add_argument("--dflash2", metavar="PATH", help="add a DFlash2 drafter and its selector")

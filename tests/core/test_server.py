@@ -55,7 +55,7 @@ def served(tmp_path_factory):
     for case, (flags, _) in CASES.items():  # the `draftflow generate` command itself, in this process meanwhile
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            assert cmd_generate(build_parser().parse_args(["generate", *flags, "--json"])) == 0
+            assert cmd_generate(build_parser().parse_args(["generate", "--graph", str(GRAPH), *flags, "--json"])) == 0
         reference[case] = json.loads(out.getvalue().splitlines()[-1])  # after any unconfigured structlog lines
     try:
         line = server.stdout.readline()

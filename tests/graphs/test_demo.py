@@ -1,0 +1,57 @@
+"""The shipped demo pair: files within limits, lossless with real acceptance, the README command runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import ROOT, run_cli
+from tokenizers import Tokenizer
+
+from draftflow.testing import greedy_gate
+
+DEMO = ROOT / "graphs" / "models" / "demo"
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main(", "class Stack:\n    def __init__(self):\n"]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = Tokenizer.from_file(str(DEMO / "target" / "tokenizer.json"))
+    return [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+
+
+def test_shipped_files_are_small_and_complete():
+    """Every shipped file is at most 16 MB; weights are safetensors and the tokenizer is tokenizer.json."""
+    files = [p for p in DEMO.rglob("*") if p.is_file()]
+    assert all(p.stat().st_size <= 16 << 20 for p in files), [(p.name, p.stat().st_size) for p in files]
+    names = {str(p.relative_to(DEMO)) for p in files}
+    assert {"target/model.safetensors", "target/tokenizer.json", "target/config.json", "dflash/model.safetensors",
+            "dflash/config.json", "mtp/mtp.safetensors", "mtp/config.json", "MODEL_CARD.md"} <= names, names
+    assert not [n for n in names if n.endswith((".pt", ".bin", ".pkl"))]
+
+
+def test_demo_graph_passes_the_greedy_gate_with_acceptance(prompts):
+    """graphs/demo.yaml (DFlash on the demo target) emits the target-only tokens and accepts drafts."""
+    report = greedy_gate(ROOT / "graphs" / "demo.yaml", prompts=prompts, max_new_tokens=32)
+    assert report.accepted > 0
+
+
+def test_demo_mtp_head_passes_the_greedy_gate_with_acceptance(prompts, tmp_path):
+    """The shipped MTP head on the demo target is lossless and accepts drafts."""
+    spec = {"name": "demo-mtp", "device": "cpu", "dtype": "float32", "num_draft": 3, "nodes": {
+        "target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [3]}},
+        "mtp": {"plugin": "mtp", "params": {"path": str(DEMO / "mtp")}}, "verify": {"plugin": "verifier"}}}
+    (tmp_path / "g.yaml").write_text(json.dumps(spec))
+    report = greedy_gate(tmp_path / "g.yaml", prompts=prompts[:2], max_new_tokens=32)
+    assert report.accepted > 0
+
+
+def test_readme_main_command_prints_code_and_summary(tmp_path):
+    """`draftflow generate "def fibonacci(n):"` runs the demo graph from anywhere: code on stdout, a summary line."""
+    r = run_cli(["generate", "def fibonacci(n):"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    summary = r.stderr.strip().splitlines()[-1]
+    assert "tau" in summary and "acceptance" in summary and "tok/s" in summary, r.stderr
+    tau = float(summary.split("tau ")[1].split(",")[0])
+    assert tau > 1.0, summary

@@ -1,0 +1,125 @@
+"""Training text: Python sources found on this machine (or given paths), tokenized and packed.
+
+Documents are joined into one token stream with the EOS id between them; a training
+batch is a set of random windows of that stream. A fixed share of the *documents* is
+held out (chosen by a seeded shuffle), so held-out windows never overlap training text.
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from pathlib import Path
+
+import attrs
+import torch
+
+# Folder names whose files are tests or test data, not ordinary library code.
+_TEST_DIRS = {"test", "tests", "testing", "idle_test", "unittests", "__pycache__"}
+_MAX_FILE_BYTES = 200_000  # larger files are mostly generated tables
+_MIN_FILE_BYTES = 200
+
+
+def default_roots() -> list[Path]:
+    """The standard library and the installed packages of the running interpreter."""
+    paths = sysconfig.get_paths()
+    roots = []
+    for key in ("stdlib", "purelib", "platlib"):
+        p = Path(paths[key]).resolve()
+        if p.is_dir() and p not in roots:
+            roots.append(p)
+    return roots
+
+
+def is_test_file(path: Path) -> bool:
+    name = path.name
+    return (any(part in _TEST_DIRS for part in path.parts) or name.startswith("test_") or name.endswith("_test.py")
+            or name == "conftest.py")
+
+
+def source_files(roots: list[Path] | None = None, suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
+    """Source files under `roots` (files are taken as given), tests excluded, sorted, each path once."""
+    found: dict[Path, None] = {}
+    for root in roots or default_roots():
+        root = Path(root)
+        if root.is_file():
+            found[root.resolve()] = None
+            continue
+        for p in sorted(root.rglob("*")):
+            if p.suffix in suffixes and p.is_file() and not is_test_file(p.relative_to(root)):
+                found[p.resolve()] = None
+    return list(found)
+
+
+def read_texts(files: list[Path], max_bytes: int, seed: int = 0) -> list[str]:
+    """Up to `max_bytes` of UTF-8 text from `files` in a seeded random order; huge and tiny files skipped."""
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    texts, total = [], 0
+    for p in order:
+        try:
+            size = p.stat().st_size
+            if not _MIN_FILE_BYTES <= size <= _MAX_FILE_BYTES:
+                continue
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+@attrs.frozen
+class TokenData:
+    """Packed token streams (1-D int64) for training and held-out evaluation."""
+
+    train: torch.Tensor
+    held_out: torch.Tensor
+    documents: int
+    characters: int
+
+    @classmethod
+    def from_texts(cls, texts: list[str], encode, eos_id: int, held_out_frac: float = 0.02, seed: int = 0) -> TokenData:
+        """`encode(list[str]) -> list[list[int]]`; documents go to held-out with probability `held_out_frac`."""
+        ids = encode(texts)
+        rng = random.Random(seed + 1)
+        train, held = [], []
+        for doc in ids:
+            (held if rng.random() < held_out_frac else train).extend([*doc, eos_id])
+        if not held and train:  # tiny corpora: still keep something apart
+            cut = max(1, len(train) // 20)
+            train, held = train[:-cut], train[-cut:]
+        return cls(torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long), len(texts),
+                   sum(len(t) for t in texts))
+
+
+def tokenizer_encoder(tokenizer):
+    """A batch encoder for a `tokenizers.Tokenizer` (no special tokens added)."""
+    return lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+class WindowSampler:
+    """Random training windows and fixed held-out windows over a `TokenData`."""
+
+    def __init__(self, data: TokenData, seq_len: int, seed: int = 0) -> None:
+        if data.train.numel() <= seq_len:
+            raise ValueError(f"the training text has {data.train.numel()} tokens, fewer than one window of {seq_len}; "
+                             "give more data or a smaller --seq-len")
+        self.data, self.seq_len = data, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, batch_size: int) -> torch.Tensor:
+        # returns: [batch_size, seq_len]
+        starts = torch.randint(0, self.data.train.numel() - self.seq_len, (batch_size,), generator=self.generator)
+        return torch.stack([self.data.train[s:s + self.seq_len] for s in starts.tolist()])
+
+    def held_out(self, count: int, length: int | None = None) -> list[torch.Tensor]:
+        """`count` evenly spaced held-out windows (fewer if the held-out text is short)."""
+        length = length or self.seq_len
+        stream = self.data.held_out
+        span = stream.numel() - length
+        if span <= 0:
+            return [stream] if stream.numel() > 2 else []
+        return [stream[int(i * span / max(1, count - 1)):][:length] for i in range(count)]

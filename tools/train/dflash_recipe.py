@@ -1,0 +1,167 @@
+"""DFlash training: many `[anchor, MASK x (B-1)]` blocks per sequence in one drafter forward.
+
+Per sequence `num_anchors` random anchors a (1 <= a <= S-B). Block b sits at positions
+a_b .. a_b+B-1 and attends to the projected target features of positions < a_b (strictly
+before its anchor: at inference the anchor's own features do not exist yet) plus the rows
+of its own block, never another block. Row k >= 1 predicts token a+k with weight
+exp(-(k-1)/gamma): early rows decide acceptance, so they count most. Labels are the data
+tokens (`labels="data"`, the paper's recipe on target-regenerated text) or the target's own
+greedy predictions at each position (`labels="target"`, distillation on raw text).
+
+The forward reuses the drafter's modules and the same RoPE, norms and projections as the
+inference path in `plugins/dflash/model.py`; `tests/tools/test_train.py` pins that one
+anchor here gives exactly the node's drafts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from draftflow.plugins.dflash.config import DFlashConfig
+from draftflow.plugins.dflash.model import DFlashModel, draft_logits
+from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.model import TargetModel, _rotate
+from draftflow.tools.train.loop import WindowKV, estimate_acceptance
+
+# Decay constants of the reference recipe, by block size ("paper Eq. 4").
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def new_config(target: TargetModel, num_layers: int, block_size: int, tap_layers: tuple[int, ...], mask_token_id: int,
+               intermediate_size: int | None = None) -> DFlashConfig:
+    """A drafter config shaped like the target's layers (hidden size and heads must match its embedding)."""
+    t = target.config
+    return DFlashConfig(
+        hidden_size=t.hidden_size, intermediate_size=intermediate_size or t.intermediate_size, num_layers=num_layers,
+        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
+        rope_theta=t.rope_theta, rope_scaling=t.rope_scaling, max_position_embeddings=t.max_position_embeddings,
+        block_size=block_size, target_layer_ids=tuple(tap_layers), mask_token_id=mask_token_id,
+        num_target_layers=t.num_layers, vocab_size=t.vocab_size)
+
+
+def block_hidden(drafter: DFlashModel, features: torch.Tensor, block: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Normed hidden states of every block row, all blocks of a batch in one forward."""
+    # features: [B, S, n_taps*H]; block: [B, N*W, H] embedded rows; anchors: [B, N]; returns [B, N*W, H]
+    cfg = drafter.config
+    bsz, seq, _ = features.shape
+    n = anchors.shape[1]
+    width = block.shape[1] // n
+    dev = features.device
+    ctx = drafter.hidden_norm(drafter.fc(features))  # [B, S, H]
+    offset = torch.arange(width, device=dev)  # [W]
+    pos = (anchors[:, :, None] + offset).reshape(bsz, n * width)  # [B, N*W]
+    ctx_pos = torch.arange(seq, device=dev)  # [S]
+    freqs_ctx = ctx_pos.float()[:, None] * drafter.inv_freq[None, :]
+    emb_ctx = torch.cat((freqs_ctx, freqs_ctx), -1)[:, None, :]  # [S, 1, D]
+    freqs_blk = pos.float()[..., None] * drafter.inv_freq  # [B, N*W, D/2]
+    emb_blk = torch.cat((freqs_blk, freqs_blk), -1)[:, :, None, :]  # [B, N*W, 1, D]
+    dt = block.dtype
+    cos_c, sin_c, cos_b, sin_b = emb_ctx.cos().to(dt), emb_ctx.sin().to(dt), emb_blk.cos().to(dt), emb_blk.sin().to(dt)
+
+    row_anchor = anchors.repeat_interleave(width, dim=1)  # [B, N*W]
+    row_block = torch.arange(n, device=dev).repeat_interleave(width)  # [N*W]
+    row_k = offset.repeat(n)  # [N*W]
+    sees_ctx = ctx_pos[None, None, :] < row_anchor[:, :, None]  # [B, N*W, S]
+    same = row_block[:, None] == row_block[None, :]  # [N*W, N*W]
+    masks = {}
+    for causal in (False, True):
+        own = same & (row_k[None, :] <= row_k[:, None]) if causal else same
+        masks[causal] = torch.cat([sees_ctx, own[None].expand(bsz, -1, -1)], dim=-1)[:, None]  # [B, 1, N*W, S+N*W]
+
+    x = block
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        if cfg.layer_type(i) == "sliding_attention":
+            raise NotImplementedError("training drafters with sliding-window layers is not supported")
+        h = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(bsz, n * width, attn.num_heads, attn.head_dim))
+        q = _rotate(q, cos_b, sin_b)
+        k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)  # [B, S, KVH, D]
+        k_blk, v_blk = attn.keys_values(h, cos_b, sin_b)  # [B, N*W, KVH, D]
+        keys = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
+        values = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=masks[cfg.layer_is_causal(i)],
+                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(bsz, n * width, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)
+
+
+class DFlashRecipe:
+    """Position-decayed block cross-entropy against a frozen target's features."""
+
+    def __init__(self, target: TargetModel, drafter: DFlashModel, num_anchors: int = 16, gamma: float | None = None,
+                 labels: str = "data", seed: int = 0) -> None:
+        if labels not in ("data", "target"):
+            raise ValueError(f"labels {labels!r}: expected 'data' or 'target'")
+        self.target, self.module, self.config = target, drafter, drafter.config
+        self.num_anchors, self.labels = num_anchors, labels
+        self.gamma = gamma or DEFAULT_GAMMA.get(self.config.block_size, 7.0)
+        self.generator = torch.Generator().manual_seed(seed + 17)
+        k = torch.arange(1, self.config.block_size, dtype=torch.float32)
+        self.row_weight = torch.exp(-(k - 1) / self.gamma)  # [W-1]
+
+    def _anchors(self, bsz: int, seq: int) -> torch.Tensor:
+        width = self.config.block_size
+        span = seq - width  # anchors 1 .. S-W keep every label row inside the window
+        n = min(self.num_anchors, span)
+        picks = [torch.randperm(span, generator=self.generator)[:n].sort().values + 1 for _ in range(bsz)]
+        return torch.stack(picks)  # [B, N]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, self.target.embed_tokens.weight)
+        return x * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else x
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [B, S]
+        cfg, width = self.config, self.config.block_size
+        bsz, seq = tokens.shape
+        with torch.no_grad():
+            rows = None if self.labels == "target" else 0  # 0: no logits, features only
+            logits, feats = self.target(tokens, 0, WindowKV(), logit_rows=rows, tap_layers=cfg.target_layer_ids)
+        anchors = self._anchors(bsz, seq).to(tokens.device)  # [B, N]
+        n = anchors.shape[1]
+        block = torch.full((bsz, n, width), cfg.mask_token_id, dtype=torch.long, device=tokens.device)
+        block[:, :, 0] = tokens.gather(1, anchors)
+        hidden = block_hidden(self.module, feats, self._embed(block.flatten(1)), anchors)  # [B, N*W, H]
+        hidden = hidden.view(bsz, n, width, -1)[:, :, 1:]  # rows 1..W-1: [B, N, W-1, H]
+        out = draft_logits(hidden.reshape(1, -1, hidden.shape[-1]), self.target.head_weight(), cfg)  # [1, B*N*(W-1), V]
+        at = anchors[:, :, None] + torch.arange(1, width, device=tokens.device)  # [B, N, W-1] label positions
+        source = tokens if self.labels == "data" else torch.cat([tokens[:, :1], logits.argmax(-1)[:, :-1]], 1)
+        labels = source.gather(1, at.flatten(1)).flatten()  # [B*N*(W-1)]
+        ce = F.cross_entropy(out[0], labels, reduction="none").view(bsz, n, width - 1)
+        w = self.row_weight.to(ce.device).expand_as(ce)
+        return (ce * w).sum() / w.sum()
+
+    def propose(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> torch.Tensor:
+        """K drafts for the anchor prefix[-1], through the inference path (add_context + one block)."""
+        # prefix: [1, P]; feats: [1, P, n_taps*H] (the anchor's own row is not used); returns [K]
+        cfg, p = self.config, prefix.shape[1]
+        dt = feats.dtype
+        cache = KVCache.from_static(torch.zeros(cfg.num_layers, 2, 1, p + k + 1, cfg.num_kv_heads, cfg.head_dim,
+                                                dtype=dt, device=feats.device))
+        self.module.add_context(feats[:, : p - 1], 0, cache)
+        block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=prefix.device)
+        block[0, 0] = prefix[0, -1]
+        hidden = self.module(self._embed(block), cache)  # [1, K+1, H]
+        return draft_logits(hidden[:, 1:], self.target.head_weight(), cfg).argmax(-1)[0]
+
+    def evaluate(self, windows: list[torch.Tensor]) -> dict[str, float]:
+        losses = [float(self.loss(w[None])) for w in windows]
+        out = estimate_acceptance(self.target, windows, self.config.target_layer_ids, self.config.block_size - 1,
+                                  self.propose)
+        return {"loss": sum(losses) / max(1, len(losses)), **out}
+
+    def save(self, out: Path) -> None:
+        """A z-lab layout directory: config.json + model.safetensors (no embedding, no LM head)."""
+        import json
+
+        out.mkdir(parents=True, exist_ok=True)
+        state = {n: t.detach().float().contiguous() for n, t in self.module.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+

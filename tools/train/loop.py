@@ -1,0 +1,249 @@
+"""The training loop every recipe shares: AdamW, cosine warm-up, clipping, checkpoints, progress.
+
+A recipe is an object with
+- `module`: the trainable `nn.Module` (only its parameters with `requires_grad` are optimised);
+- `loss(tokens [B, S]) -> scalar tensor`;
+- `evaluate(windows: list[Tensor]) -> dict[str, float]` (held-out numbers, printed as training goes).
+Writing the finished artifact is the caller's (`cli.py`) business.
+
+The learning rate warms up linearly and then follows a cosine to zero over the run; with a
+time budget, "the run" ends at whichever comes first, `steps` or `time_budget_s`, so a
+CPU run bounded in wall time still finishes its schedule. Checkpoints hold the step, the
+elapsed time, the module, the optimizer and every random state, so `resume` continues the
+same run.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import attrs
+import torch
+from torch import nn
+
+from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.plugins.target.model import TargetModel
+
+
+class WindowKV:
+    """Duck-typed `KVCache` for training forwards over whole windows from position 0.
+
+    Each layer's keys/values are kept as the autograd graph's own tensors (no in-place
+    writes into a shared buffer, which autograd would reject), so the target's and the
+    MTP block's inference code runs unchanged under gradient.
+    """
+
+    length = 0
+
+    def __init__(self) -> None:
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def ensure(self, total_tokens: int) -> None:
+        pass
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [B, T, KVH, D]; training windows always start at 0
+        self._kv[layer] = (k, v)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv[layer]
+
+
+def init_weights(module: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Fresh weights: N(0, std) matrices, unit norm gains; then mark every parameter trainable."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(module.named_parameters()):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    module.requires_grad_(True)
+
+
+def lr_factor(progress: float, warmup: float) -> float:
+    """Linear warm-up over the first `warmup` share of the run, then cosine decay to zero."""
+    if progress < warmup:
+        return progress / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1.0 - warmup))))
+
+
+@attrs.frozen
+class TrainOptions:
+    steps: int
+    batch_size: int = 8
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    bf16: bool = False  # autocast the forward to bfloat16 (the recipe's default on CUDA)
+    eval_every: int = 100
+    eval_windows: int = 16
+    save_every: int = 100
+    checkpoint: Path | None = None
+    resume: bool = False
+    time_budget_s: float | None = None
+    device: str = "cpu"
+
+
+@attrs.define
+class TrainResult:
+    start_step: int
+    steps: int
+    elapsed_s: float
+    losses: list[tuple[int, float]]
+    evaluations: list[tuple[int, dict]]
+
+
+class Progress:
+    """One stderr line rewritten in place on a terminal; otherwise a plain line every ~5% or 30 s."""
+
+    def __init__(self, total: int, label: str, stream=None) -> None:
+        self.total, self.label = total, label
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = max(1, total // 20)
+        self.last = time.perf_counter()
+
+    def update(self, step: int, loss: float, lr: float, rate: float, eta_s: float) -> None:
+        now = time.perf_counter()
+        if not self.tty and step % self.every and step != self.total and now - self.last < 30:
+            return
+        self.last = now
+        frac = min(1.0, step / self.total)
+        bar = "#" * int(24 * frac)
+        line = (f"{self.label} [{bar:<24}] {step}/{self.total} loss {loss:.4f} lr {lr:.2e} "
+                f"{rate:.2f} step/s eta {eta_s / 60:.1f} min")
+        self.stream.write(("\r" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        self.stream.write(("\n" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def _autocast(opts: TrainOptions):
+    if not opts.bf16:
+        return torch.autocast(device_type=torch.device(opts.device).type, enabled=False)
+    return torch.autocast(device_type=torch.device(opts.device).type, dtype=torch.bfloat16)
+
+
+def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callable[[str], None] | None = None,
+          stream=None) -> TrainResult:
+    """Run (or resume) the optimisation; write checkpoints; return the loss and evaluation history."""
+    params = [p for p in recipe.module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
+    step, elapsed, losses, evaluations = 0, 0.0, [], []
+    if opts.resume and opts.checkpoint and Path(opts.checkpoint).exists():
+        state = torch.load(opts.checkpoint, map_location=opts.device, weights_only=False)
+        recipe.module.load_state_dict(state["module"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        sampler.generator.set_state(state["sampler_rng"])
+        if state.get("recipe_rng") is not None and hasattr(recipe, "generator"):
+            recipe.generator.set_state(state["recipe_rng"])
+        step, elapsed, losses, evaluations = state["step"], state["elapsed"], state["losses"], state["evaluations"]
+    start_step, start_elapsed = step, elapsed
+    progress = Progress(opts.steps, label, stream)
+    say = log or progress.note
+    if start_step:
+        say(f"{label}: resumed from {opts.checkpoint} at step {start_step}")
+    held_out = sampler.held_out(opts.eval_windows)
+
+    def fraction() -> float:
+        f = step / opts.steps
+        return max(f, elapsed / opts.time_budget_s) if opts.time_budget_s else f
+
+    def evaluate() -> None:
+        recipe.module.eval()
+        with torch.no_grad():
+            result = recipe.evaluate(held_out)
+        recipe.module.train()
+        evaluations.append((step, result))
+        say(f"{label} step {step}: held-out " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+
+    def save() -> None:
+        if opts.checkpoint is None:
+            return
+        Path(opts.checkpoint).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": step, "elapsed": elapsed, "module": recipe.module.state_dict(), "optimizer": opt.state_dict(),
+                    "rng": torch.get_rng_state(), "sampler_rng": sampler.generator.get_state(),
+                    "recipe_rng": recipe.generator.get_state() if hasattr(recipe, "generator") else None, "losses": losses,
+                    "evaluations": evaluations}, opts.checkpoint)
+
+    recipe.module.train()
+    smooth = None
+    while fraction() < 1.0:
+        t0 = time.perf_counter()
+        factor = lr_factor(fraction(), opts.warmup)
+        for g in opt.param_groups:
+            g["lr"] = opts.lr * factor
+        tokens = sampler.batch(opts.batch_size).to(opts.device)  # [B, S]
+        with _autocast(opts):
+            loss = recipe.loss(tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, opts.clip)
+        opt.step()
+        step += 1
+        elapsed += time.perf_counter() - t0
+        value = float(loss.detach())
+        losses.append((step, value))
+        smooth = value if smooth is None else 0.9 * smooth + 0.1 * value
+        rate = (step - start_step) / max(1e-9, elapsed - start_elapsed)
+        left = min((opts.steps - step) / max(rate, 1e-9), (opts.time_budget_s - elapsed) if opts.time_budget_s else math.inf)
+        progress.update(step, smooth, opts.lr * factor, rate, max(0.0, left))
+        if opts.eval_every and step % opts.eval_every == 0:
+            evaluate()
+        if opts.save_every and step % opts.save_every == 0:
+            save()
+    if not evaluations or evaluations[-1][0] != step:
+        evaluate()
+    save()
+    return TrainResult(start_step, step, elapsed, losses, evaluations)
+
+
+# --- held-out acceptance -------------------------------------------------------------------------
+def greedy_continuation(target: TargetModel, prefix: torch.Tensor, n: int, taps: tuple[int, ...]):
+    """The target's greedy `n` tokens after `prefix`, and its taps over the prefix (inference code path)."""
+    # prefix: [1, P]; returns ([n] int64, [1, P, n_taps*H])
+    cfg = target.config
+    cache = KVCache.from_static(torch.empty(static_shape(cfg, 1, prefix.shape[1] + n), dtype=target.norm.weight.dtype,
+                                            device=prefix.device))
+    logits, feats = target(prefix, 0, cache, logit_rows=1, tap_layers=taps)
+    cache.commit(prefix.shape[1])
+    out = []
+    for _ in range(n):
+        tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+        out.append(tok)
+        logits, _ = target(tok, cache.length, cache, logit_rows=1)
+        cache.commit(cache.length + 1)
+    return torch.cat(out, dim=1)[0], feats
+
+
+def estimate_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: tuple[int, ...], num_draft: int,
+                        propose: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> dict[str, float]:
+    """Greedy agreement of drafts with the target's own continuation, one cycle per held-out window.
+
+    The prefix ends at the window's midpoint (the anchor); `propose(prefix [1, P], taps [1, P, *], K)` returns
+    the drafter's K tokens exactly as its graph node would. tau = 1 + mean accepted prefix length.
+    """
+    accepted = []
+    for w in windows:
+        p = max(2, w.numel() // 2)
+        prefix = w[:p][None].to(target.norm.weight.device)  # [1, P]
+        truth, feats = greedy_continuation(target, prefix, num_draft, taps)
+        drafts = propose(prefix, feats, num_draft)  # [K]
+        n = 0
+        while n < num_draft and int(drafts[n]) == int(truth[n]):
+            n += 1
+        accepted.append(n)
+    mean = sum(accepted) / max(1, len(accepted))
+    return {"tau": 1.0 + mean, "acceptance": mean / num_draft, "first_token": sum(a > 0 for a in accepted) / max(1, len(accepted))}

@@ -1,0 +1,93 @@
+"""MTP training: next-next-token prediction from the target's hidden state and the next token.
+
+For every position i of a window the head takes (t_{i+1}, h_i), h_i being the target's
+final post-norm hidden state, and predicts t_{i+2} (the data token, or with
+`labels="target"` the target's own greedy prediction there). The head is a DeepSeek-V3
+layout MTP module (`plugins/mtp/model.py`, unchanged): its own output norm and LM head
+start as copies of the target's, so step 0 already predicts "the next token after
+t_{i+1}" as well as the target's last layer can from h_i.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from draftflow.plugins.mtp.model import MtpHead
+from draftflow.plugins.mtp.weights import _HEAD_NAMES
+from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.plugins.target.model import TargetModel
+from draftflow.tools.train.loop import WindowKV, estimate_acceptance, init_weights
+
+LAYOUT = "deepseek-v3"
+
+
+def new_head(target: TargetModel, seed: int = 0) -> MtpHead:
+    """A fresh trainable head bound to the target's embedding; out_norm and head start from the target's."""
+    head = MtpHead(target.config, LAYOUT, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device)
+    init_weights(head, seed=seed)
+    with torch.no_grad():
+        head.out_norm.weight.copy_(target.norm.weight)
+        head.head.weight.copy_(target.head_weight())
+    head.bind(target.embed_tokens.weight, target.head_weight())
+    return head
+
+
+class MtpRecipe:
+    """Cross-entropy of t_{i+2} from (t_{i+1}, h_i) over whole windows, against a frozen target."""
+
+    def __init__(self, target: TargetModel, head: MtpHead, labels: str = "data", num_draft: int = 4) -> None:
+        if labels not in ("data", "target"):
+            raise ValueError(f"labels {labels!r}: expected 'data' or 'target'")
+        self.target, self.module, self.labels, self.num_draft = target, head, labels, num_draft
+        self.last = target.config.num_layers - 1
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [B, S]
+        with torch.no_grad():
+            rows = None if self.labels == "target" else 0
+            logits, hidden = self.target(tokens, 0, WindowKV(), logit_rows=rows, tap_layers=(self.last,))  # h: [B, S, H]
+        out, _ = self.module(tokens[:, 1:-1], hidden[:, :-2], 0, WindowKV(), last_only=False)  # [B, S-2, V]
+        labels = tokens[:, 2:] if self.labels == "data" else logits[:, 1:-1].argmax(-1)  # [B, S-2]
+        return F.cross_entropy(out.flatten(0, 1), labels.flatten())
+
+    def propose(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> torch.Tensor:
+        """K chained drafts after prefix[-1], exactly as the mtp node drafts them."""
+        # prefix: [1, P]; feats: [1, P, H] (final hidden); returns [K]
+        p = prefix.shape[1]
+        one = attrs.evolve(self.target.config, num_layers=1)
+        cache = KVCache.from_static(torch.zeros(static_shape(one, 1, p + k), dtype=feats.dtype, device=feats.device))
+        logits, out = self.module(prefix[:, 1:], feats[:, : p - 1], 0, cache)  # pairs (t_{i+1}, h_i), i < P-1
+        cache.commit(p - 1)
+        drafts = []
+        for j in range(k):
+            tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            drafts.append(tok)
+            if j + 1 < k:
+                logits, out = self.module(tok, out, p - 1 + j, cache)
+        return torch.cat(drafts, dim=1)[0]
+
+    def evaluate(self, windows: list[torch.Tensor]) -> dict[str, float]:
+        losses = [float(self.loss(w[None])) for w in windows]
+        out = estimate_acceptance(self.target, windows, (self.last,), self.num_draft, self.propose)
+        return {"loss": sum(losses) / max(1, len(losses)), **out}
+
+    def save(self, out: Path, target_config: dict) -> None:
+        """`mtp.safetensors` with DeepSeek-V3 names (`model.layers.{N}.*`) and the target's config.json."""
+        out.mkdir(parents=True, exist_ok=True)
+        prefix = f"model.layers.{self.target.config.num_layers}."
+        names = _HEAD_NAMES[LAYOUT]
+        state = {}
+        for name, t in self.module.state_dict().items():
+            if name in ("embed", "shared_head"):  # the target's tensors, bound (and registered) by `bind`
+                continue
+            rel = names.get(name) or name.removeprefix("block.")
+            state[prefix + rel] = t.detach().float().contiguous()
+        save_file(state, str(out / "mtp.safetensors"), metadata={"format": "pt"})
+        config = dict(target_config, num_nextn_predict_layers=1)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
