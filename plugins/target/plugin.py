@@ -19,8 +19,8 @@ from draftflow.core.node import Node
 from draftflow.core.params import ParamSpec
 from draftflow.core.ports import Features, TargetOutput
 from draftflow.core.registry import NodeType
-from draftflow.plugins.target.config import TargetConfig, kv_bytes_per_token, weight_bytes
-from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.plugins.target.config import TargetConfig, weight_bytes
+from draftflow.plugins.target.kv_cache import KVCache
 
 PARAMS = (
     ParamSpec("path", "path", help="Hugging Face model directory or .gguf file"),
@@ -29,6 +29,8 @@ PARAMS = (
     ParamSpec("tap_layers", "int_list", [], "layers whose output hidden states are carried to drafters"),
     ParamSpec("prefill_chunk", "int", 512, "prompt tokens per prefill forward"),
     ParamSpec("grow_chunk", "int", 256, "tokens per allocation in grow mode"),
+    ParamSpec("cuda_graphs", "bool", True, "on CUDA with kv_mode static, replay decode/verify windows as CUDA graphs "
+              "(one per window size and KV bucket, captured on first use); false: the eager forward"),
 )
 # Activations of one forward are small next to weights at batch 1; leave room for a window.
 SCRATCH_TOKENS = 512
@@ -67,7 +69,6 @@ def manifest(params, env) -> Manifest:
                                doc="feature taps of every position, concatenated in tap order"))
         provides.add("target.features")
     scratch = SCRATCH_TOKENS * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + SCRATCH_TOKENS * cfg.vocab_size * 4
-    assert kv_bytes_per_token(cfg, dtype) == BufferSpec("x", kv_shape, env.dtype).bytes_per_kv_token()
     return Manifest(
         role="target",
         inputs=(Port("proposal", "proposal", required=False, doc="drafts to verify; absent = target-only decoding"),),
@@ -112,6 +113,11 @@ class Target(Node):
             self.cache = KVCache.from_static(ctx.buffers["kv_cache"])
         else:
             self.cache = KVCache.growing(self.config, 1, ctx.kv_tokens, ctx.dtype, ctx.device, p["grow_chunk"])
+        self.runner = None  # static-shape windows as CUDA graphs; prefill always runs eagerly
+        if p["cuda_graphs"] and p["kv_mode"] == "static" and torch.device(ctx.device).type == "cuda":
+            from draftflow.plugins.target.graphs import GraphRunner
+
+            self.runner = GraphRunner(self.model, self.cache, ctx.num_draft + 1, self.taps or ())
 
     def tensors(self):
         yield from self.model.parameters()
@@ -140,6 +146,13 @@ class Target(Node):
     @torch.inference_mode()
     def step(self, req, inputs):
         proposal = inputs.get("proposal")
+        drafts = proposal.tokens if proposal is not None and proposal.tokens.shape[1] else None  # [1, K]
+        if self.runner is not None and 1 + (0 if drafts is None else drafts.shape[1]) <= self.runner.max_window:
+            # The anchor and start go in as kernel arguments: no host-to-device copy, no sync.
+            logits, taps = self.runner(req.anchor, drafts, req.position)  # [1, K+1, V], [1, K+1, n*H]
+            if taps is not None:
+                self.features[:, req.position:req.position + logits.shape[1]] = taps
+            return {"logits": TargetOutput(logits)}
         anchor = torch.tensor([[req.anchor]], dtype=torch.long, device=self.ctx.device)  # [1, 1]
         window = anchor if proposal is None else torch.cat([anchor, proposal.tokens], dim=1)  # [1, K+1]
         logits = self._forward(window, req.position, None)  # [1, K+1, V]

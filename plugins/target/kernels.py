@@ -1,0 +1,205 @@
+"""One Triton kernel for the attention prologue of a static step: q/k-norm, RoPE and the KV write.
+
+After the fused q/k/v product, eager PyTorch needs about a dozen small launches per layer
+(two RMSNorms, two rotations, two cache writes, the GQA reshape); at batch 1 each costs
+more in launch latency than in bandwidth. This kernel does all of it in one launch, one
+program per (token, head), reading the start position from the device. Every op rounds
+where the eager op rounds (to the storage dtype), so bf16 results follow the eager path.
+
+Imported only on CUDA (Triton is a GPU dependency of torch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, IS_BF16: tl.constexpr):
+    # The eager path stores every intermediate in the model dtype; round the same way (to
+    # nearest, ties to even). Done on the bits: the compiler folds a float32 -> bf16 ->
+    # float32 cast pair away, which would silently keep full precision.
+    if IS_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _qk_rope_write_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, start_ptr,  # inputs
+    q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
+    stride_row, stride_cache_b, stride_cache_pos, eps, W,
+    QH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, IS_BF16: tl.constexpr,
+):
+    # qkv: [B*W, (QH+2*KVH)*D]; cos, sin: [W, D]; q: [B, KVH, G*W, D]; caches: [B, capacity, KVH, D]
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    b = row // W
+    w = row % W
+    HALF: tl.constexpr = D // 2
+    G: tl.constexpr = QH // KVH
+    dtype = q_ptr.dtype.element_ty
+    offs = tl.arange(0, HALF)
+    src = qkv_ptr + row * stride_row + head * D
+    x1 = tl.load(src + offs).to(tl.float32)
+    x2 = tl.load(src + HALF + offs).to(tl.float32)
+    pos = tl.load(start_ptr) + w
+    if head < QH + KVH:
+        if HAS_NORM:  # model.RMSNorm: float32 statistics, cast, then the weight
+            inv = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+            if head < QH:
+                n1 = tl.load(q_norm_ptr + offs).to(tl.float32)
+                n2 = tl.load(q_norm_ptr + HALF + offs).to(tl.float32)
+            else:
+                n1 = tl.load(k_norm_ptr + offs).to(tl.float32)
+                n2 = tl.load(k_norm_ptr + HALF + offs).to(tl.float32)
+            x1 = _round(n1 * _round(x1 * inv, IS_BF16), IS_BF16)
+            x2 = _round(n2 * _round(x2 * inv, IS_BF16), IS_BF16)
+        c1 = tl.load(cos_ptr + w * D + offs).to(tl.float32)
+        c2 = tl.load(cos_ptr + w * D + HALF + offs).to(tl.float32)
+        s1 = tl.load(sin_ptr + w * D + offs).to(tl.float32)
+        s2 = tl.load(sin_ptr + w * D + HALF + offs).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+        o1 = _round(_round(x1 * c1, IS_BF16) + _round(-x2 * s1, IS_BF16), IS_BF16)
+        o2 = _round(_round(x2 * c2, IS_BF16) + _round(x1 * s2, IS_BF16), IS_BF16)
+        if head < QH:  # query head h = kvh*G + g goes to row g*W + w of its KV head's group
+            dst = q_ptr + ((b * KVH + head // G) * (G * W) + (head % G) * W + w) * D
+        else:
+            dst = k_cache_ptr + b * stride_cache_b + pos * stride_cache_pos + (head - QH) * D
+    else:
+        o1 = x1
+        o2 = x2
+        dst = v_cache_ptr + b * stride_cache_b + pos * stride_cache_pos + (head - QH - KVH) * D
+    tl.store(dst + offs, o1.to(dtype))
+    tl.store(dst + HALF + offs, o2.to(dtype))
+
+
+def qk_rope_write(
+    qkv: torch.Tensor,  # [B, W, (QH + 2*KVH) * D], the fused projection's output
+    cos: torch.Tensor,  # [W, D]
+    sin: torch.Tensor,  # [W, D]
+    q_norm: torch.Tensor | None,  # [D] or None (no q/k norm)
+    k_norm: torch.Tensor | None,  # [D]
+    start: torch.Tensor,  # [1] int64
+    k_cache: torch.Tensor,  # [B, capacity, KVH, D], one layer's keys
+    v_cache: torch.Tensor,  # [B, capacity, KVH, D]
+    num_heads: int,
+    eps: float,
+) -> torch.Tensor:  # q: [B, KVH, G*W, D], query groups folded into rows
+    """Normalise and rotate q and k, write k and v at positions start..start+W-1, return q grouped for attention."""
+    b, w, _ = qkv.shape
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    q = torch.empty(b, kvh, (num_heads // kvh) * w, d, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None
+    _qk_rope_write_kernel[(b * w, num_heads + 2 * kvh)](
+        qkv, cos, sin, q_norm if has_norm else qkv, k_norm if has_norm else qkv, start,
+        q, k_cache, v_cache,
+        qkv.stride(1), k_cache.stride(0), k_cache.stride(1), eps, w,
+        QH=num_heads, KVH=kvh, D=d, HAS_NORM=has_norm, IS_BF16=qkv.dtype == torch.bfloat16, num_warps=1,
+    )
+    return q
+
+
+@triton.jit
+def _attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, start_ptr,  # inputs
+    m_ptr, l_ptr, acc_ptr,  # per-split partial results
+    stride_cache_b, stride_cache_pos, scale, W, R, NSPLIT,
+    KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
+):
+    # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block)
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // KVH
+    kvh = bh % KVH
+    rows = tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, D)
+    keys = split * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(start_ptr)
+    is_key = keys < start + W  # cells past the window are stale or unwritten
+    q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + dims[None, :], mask=rows[:, None] < R, other=0.0)
+    cells = b * stride_cache_b + keys[:, None] * stride_cache_pos + kvh * D + dims[None, :]
+    k = tl.load(k_ptr + cells, mask=is_key[:, None], other=0.0)
+    v = tl.load(v_ptr + cells, mask=is_key[:, None], other=0.0)
+    if IS_FP32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = keys[None, :] <= (start + rows % W)[:, None]  # [BLOCK_R, BLOCK_N]: causal within the window
+    # A large finite floor instead of -inf: a row may see nothing in this block, and -inf - -inf is NaN.
+    s = tl.where(visible, s * scale, -1.0e30)
+    m = tl.max(s, 1)
+    p = tl.where(visible, tl.exp(s - m[:, None]), 0.0)
+    if IS_FP32:
+        acc = tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v)
+    out = (bh * NSPLIT + split) * R + rows
+    tl.store(m_ptr + out, m, mask=rows < R)
+    tl.store(l_ptr + out, tl.sum(p, 1), mask=rows < R)
+    tl.store(acc_ptr + out[:, None] * D + dims[None, :], acc, mask=rows[:, None] < R)
+
+
+@triton.jit
+def _attn_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, o_ptr, W, R,
+    NSPLIT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+):
+    # One program per (b, kvh, row): merge the key blocks' partials; write o [B, W, KVH*G*D]. Blocks past
+    # the window saw no key (l = 0, m = the floor), so they weigh nothing.
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    b = bh // KVH
+    kvh = bh % KVH
+    dims = tl.arange(0, D)
+    top = tl.full([1], -1.0e30, dtype=tl.float32)
+    for s in range(NSPLIT):
+        top = tl.maximum(top, tl.load(m_ptr + (bh * NSPLIT + s) * R + r))
+    total = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s in range(NSPLIT):
+        idx = (bh * NSPLIT + s) * R + r
+        weight = tl.exp(tl.load(m_ptr + idx) - top)
+        total += weight * tl.load(l_ptr + idx)
+        acc += weight * tl.load(acc_ptr + idx * D + dims)
+    w = r % W
+    g = r // W
+    tl.store(o_ptr + ((b * W + w) * (KVH * G) + kvh * G + g) * D + dims, (acc / total).to(o_ptr.dtype.element_ty))
+
+
+ATTN_BLOCK_N = 64  # keys per program: a 256-key bucket gives 4 programs per KV head, 4096 keys 64
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, KVH, G*W, D], row g*W + w
+    k_cache: torch.Tensor,  # [B, capacity, KVH, D], one layer's keys
+    v_cache: torch.Tensor,  # [B, capacity, KVH, D]
+    start: torch.Tensor,  # [1] int64: position of the window's first token
+    w: int,
+    bucket: int,  # keys [0, bucket) are considered; the grid depends only on it
+) -> torch.Tensor:  # [B, W, KVH*G*D], o_proj's input layout
+    """Causal attention of a W-token window over the cache, split over key blocks (flash-decoding).
+
+    Key blocks run in parallel and a second kernel merges their softmax partials, so the
+    time stays flat in context length instead of growing on a few multiprocessors.
+    """
+    b, kvh, rows, d = q.shape
+    nsplit = triton.cdiv(bucket, ATTN_BLOCK_N)
+    m = torch.empty(b * kvh, nsplit, rows, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(b * kvh, nsplit, rows, d, dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(b * kvh, nsplit)](
+        q, k_cache, v_cache, start, m, l, acc,
+        k_cache.stride(0), k_cache.stride(1), d ** -0.5, w, rows, nsplit,
+        KVH=kvh, D=d, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_N=ATTN_BLOCK_N,
+        IS_FP32=q.dtype == torch.float32, num_warps=4,
+    )
+    out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
+    _attn_combine_kernel[(b * kvh, rows)](
+        m, l, acc, out, w, rows, NSPLIT=nsplit, KVH=kvh, G=rows // w, D=d, num_warps=1,
+    )
+    return out
