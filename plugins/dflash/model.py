@@ -74,7 +74,11 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         # rope_inv_freq reads head_dim, rope_theta and rope_scaling only, which DFlashConfig has.
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # On a real device the RoPE table goes there now; on meta it stays on the CPU until `.to(device)`.
+        inv_freq = rope_inv_freq(cfg)
+        if device is not None and torch.device(device).type != "meta":
+            inv_freq = inv_freq.to(device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
 
     def _rope(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

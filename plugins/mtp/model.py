@@ -50,7 +50,10 @@ class MtpHead(nn.Module):
                 self.block.self_attn.k_norm = norm(cfg.head_dim, eps, dtype, device)
         else:
             self.head = nn.Linear(h, cfg.vocab_size, bias=False, dtype=dtype, device=device)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        inv_freq = rope_inv_freq(cfg)
+        if device is not None and torch.device(device).type != "meta":
+            inv_freq = inv_freq.to(device)  # meta models get it through `.to(device)` later
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
         self.embed: torch.Tensor | None = None  # [V, H], bound from the target
         self.shared_head: torch.Tensor | None = None  # [V, H], Qwen3-Next only

@@ -164,7 +164,11 @@ class TargetModel(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         # Computed on CPU even for meta models; `.to(device)` after loading moves it.
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # On a real device the RoPE table goes there now; on meta it stays on the CPU until `.to(device)`.
+        inv_freq = rope_inv_freq(cfg)
+        if device is not None and torch.device(device).type != "meta":
+            inv_freq = inv_freq.to(device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
 
     def head_weight(self) -> torch.Tensor:

@@ -151,7 +151,8 @@ class DFlashRecipe:
         return draft_logits(hidden[:, 1:], self.target.head_weight(), cfg).argmax(-1)[0]
 
     def evaluate(self, windows: list[torch.Tensor]) -> dict[str, float]:
-        losses = [float(self.loss(w[None])) for w in windows]
+        device = self.target.norm.weight.device  # held-out windows live on the host
+        losses = [float(self.loss(w[None].to(device))) for w in windows]
         out = estimate_acceptance(self.target, windows, self.config.target_layer_ids, self.config.block_size - 1,
                                   self.propose)
         return {"loss": sum(losses) / max(1, len(losses)), **out}

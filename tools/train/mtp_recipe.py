@@ -73,7 +73,8 @@ class MtpRecipe:
         return torch.cat(drafts, dim=1)[0]
 
     def evaluate(self, windows: list[torch.Tensor]) -> dict[str, float]:
-        losses = [float(self.loss(w[None])) for w in windows]
+        device = self.target.norm.weight.device  # held-out windows live on the host
+        losses = [float(self.loss(w[None].to(device))) for w in windows]
         out = estimate_acceptance(self.target, windows, (self.last,), self.num_draft, self.propose)
         return {"loss": sum(losses) / max(1, len(losses)), **out}
 
