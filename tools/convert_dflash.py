@@ -28,6 +28,7 @@ from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.loader import GGUF_ARCH, hf_to_gguf_name, is_gguf, read_artifact
 from draftflow.plugins.dflash2 import loader as dflash2_loader
+from draftflow.tools.convert_gguf import write_backbone_metadata
 from draftflow.plugins.dflash2.config import CODEBOOKS, EXTRA_KEYS
 
 _FILE_TYPE = {torch.float32: gguf.LlamaFileType.ALL_F32, torch.float16: gguf.LlamaFileType.MOSTLY_F16,
@@ -83,16 +84,7 @@ def gguf_to_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> 
 
 def _write_metadata(writer: gguf.GGUFWriter, cfg: DFlashConfig, file_dtype: torch.dtype) -> None:
     a = GGUF_ARCH
-    writer.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
-    writer.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
-    writer.add_uint32(f"{a}.block_count", cfg.num_layers)
-    writer.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
-    writer.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
-    writer.add_uint32(f"{a}.attention.key_length", cfg.head_dim)
-    writer.add_uint32(f"{a}.attention.value_length", cfg.head_dim)
-    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    writer.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
-    writer.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
+    write_backbone_metadata(writer, a, cfg)
     writer.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
     writer.add_uint32(f"{a}.block_size", cfg.block_size)
     # llama.cpp counts taps as inputs of layer L+1; the HF ids are outputs of layer L.

@@ -64,10 +64,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     writer.close()
 
 
-def _write_metadata(writer: gguf.GGUFWriter, cfg: TargetConfig, dtype: str) -> None:
-    a = cfg.arch
-    writer.add_uint32(f"{a}.vocab_size", cfg.vocab_size)
-    writer.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+def write_backbone_metadata(writer: gguf.GGUFWriter, a: str, cfg) -> None:
+    """The transformer-block keys llama.cpp reads for arch `a` (a target or a DFlash drafter config)."""
     writer.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
     writer.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
     writer.add_uint32(f"{a}.block_count", cfg.num_layers)
@@ -78,6 +76,13 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: TargetConfig, dtype: str) -> N
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
     writer.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
+
+
+def _write_metadata(writer: gguf.GGUFWriter, cfg: TargetConfig, dtype: str) -> None:
+    a = cfg.arch
+    writer.add_uint32(f"{a}.vocab_size", cfg.vocab_size)
+    writer.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+    write_backbone_metadata(writer, a, cfg)
     writer.add_uint32("general.file_type", int(_FILE_TYPE[dtype]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 

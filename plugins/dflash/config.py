@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import attrs
@@ -211,13 +213,7 @@ def expected_tensors(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 def weight_bytes(cfg: DFlashConfig, dtype: torch.dtype) -> int:
     """Bytes the drafter's own weights take in `dtype` (embedding and head are the target's)."""
-    total = 0
-    for shape in expected_tensors(cfg).values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total * dtype.itemsize
+    return sum(math.prod(shape) for shape in expected_tensors(cfg).values()) * dtype.itemsize
 
 
 def kv_shape(cfg: DFlashConfig, capacity) -> tuple:

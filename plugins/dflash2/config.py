@@ -8,6 +8,8 @@ and 3 selector tensors (81 for 5 layers).
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import attrs
@@ -102,10 +104,4 @@ def expected_tensors(cfg: DFlash2Config) -> dict[str, tuple[int, ...]]:
 
 def weight_bytes(cfg: DFlash2Config, dtype: torch.dtype) -> int:
     """Bytes of the drafter's own weights in `dtype` (the embedding and LM head are the target's)."""
-    total = 0
-    for shape in expected_tensors(cfg).values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total * dtype.itemsize
+    return sum(math.prod(shape) for shape in expected_tensors(cfg).values()) * dtype.itemsize
