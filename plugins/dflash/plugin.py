@@ -142,19 +142,26 @@ class DFlash(Node):
         return {}
 
 
-def check_tap_layers(plan):
-    """A dflash node's target_layer_ids equal the target's tap_layers (same order)."""
-    targets = [n for n in plan.by_role("target") if "tap_layers" in plan.nodes[n].params]
-    for name, node in plan.nodes.items():
-        if node.node_type.name != "dflash" or not targets:
-            continue
-        ids = read_config(node.params["path"]).target_layer_ids
-        target = targets[0]
-        taps = tuple(plan.nodes[target].params["tap_layers"])
-        if taps != ids:
-            yield Problem(name, "dflash-taps", f"the drafter reads target layers {list(ids)} but target '{target}' "
-                          f"taps {list(taps)}", f"set nodes.{target}.tap_layers={list(ids)}", "dflash",
-                          plan.spec.node(name).where if plan.spec.node(name) else "")
+def tap_layer_check(kind: str, layer_ids):
+    """A check that every `kind` node's target_layer_ids (``layer_ids(path)``) equal the target's tap_layers, in order."""
+
+    def check(plan):
+        targets = [n for n in plan.by_role("target") if "tap_layers" in plan.nodes[n].params]
+        for name, node in plan.nodes.items():
+            if node.node_type.name != kind or not targets:
+                continue
+            ids = tuple(layer_ids(node.params["path"]))
+            target = targets[0]
+            taps = tuple(plan.nodes[target].params["tap_layers"])
+            if taps != ids:
+                yield Problem(name, f"{kind}-taps", f"the drafter reads target layers {list(ids)} but target '{target}' "
+                              f"taps {list(taps)}", f"set nodes.{target}.tap_layers={list(ids)}", kind,
+                              plan.spec.node(name).where if plan.spec.node(name) else "")
+
+    return check
+
+
+check_tap_layers = tap_layer_check("dflash", lambda path: read_config(path).target_layer_ids)
 
 
 @hookimpl

@@ -30,7 +30,7 @@ from draftflow.core.ports import Candidates, Proposal
 from draftflow.core.problems import Problem
 from draftflow.core.registry import NodeType
 from draftflow.plugins.dflash.config import kv_shape
-from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash
+from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, tap_layer_check
 from draftflow.plugins.dflash2.config import weight_bytes
 from draftflow.plugins.dflash2.loader import load_drafter, read_config
 from draftflow.plugins.dflash2.model import CandidateSelector, walk
@@ -148,19 +148,7 @@ class Top1Selector(Node):
         return {"proposal": Proposal(cand.ids.gather(-1, pick[..., None])[..., 0], probs=q, candidate_ids=cand.ids)}
 
 
-def check_tap_layers(plan):
-    """A dflash2 node's target_layer_ids equal the target's tap_layers (same order)."""
-    targets = [n for n in plan.by_role("target") if "tap_layers" in plan.nodes[n].params]
-    for name, node in plan.nodes.items():
-        if node.node_type.name != "dflash2" or not targets:
-            continue
-        ids = read_config(node.params["path"]).base.target_layer_ids
-        target = targets[0]
-        taps = tuple(plan.nodes[target].params["tap_layers"])
-        if taps != ids:
-            yield Problem(name, "dflash2-taps", f"the drafter reads target layers {list(ids)} but target '{target}' "
-                          f"taps {list(taps)}", f"set nodes.{target}.tap_layers={list(ids)}", "dflash2",
-                          plan.spec.node(name).where if plan.spec.node(name) else "")
+check_tap_layers = tap_layer_check("dflash2", lambda path: read_config(path).base.target_layer_ids)
 
 
 def check_selector_source(plan):
