@@ -19,7 +19,7 @@ from draftflow.core.hookspecs import hookimpl
 from draftflow.core.manifest import KV_TOKENS, BufferSpec, Incompatibility, Manifest, Port, Vram
 from draftflow.core.node import Node
 from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Proposal
+from draftflow.core.ports import Features, Proposal
 from draftflow.core.problems import Problem
 from draftflow.core.registry import NodeType
 from draftflow.plugins.dflash.config import kv_shape, weight_bytes
@@ -28,7 +28,11 @@ from draftflow.plugins.dflash.model import draft_logits
 from draftflow.plugins.target.kv_cache import KVCache
 from draftflow.verify import filter_logits, sample
 
-PARAMS = (ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),)
+PARAMS = (
+    ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),
+    ParamSpec("cuda_graphs", "bool", True, "on CUDA, replay each full-width proposal (ingest + block + LM head) as a "
+              "CUDA graph per KV bucket, captured on first use; false: the eager forward"),
+)
 # Context rows projected per forward while ingesting a long prompt's features.
 CONTEXT_CHUNK = 512
 KV_GROW_REASON = ("DFlash keeps its context K/V and block shapes static and sized to the target's preallocated "
@@ -65,6 +69,7 @@ class DFlash(Node):
         self.cache = KVCache.from_static(ctx.buffers["dflash_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
         self.embed: torch.Tensor | None = None  # [V, H], the target's
         self.head: torch.Tensor | None = None  # [V, H], the target's
+        self.runner = None  # DraftRunner, built on first use once the target's weights are bound
 
     def tensors(self):
         yield from self.model.parameters()
@@ -109,9 +114,19 @@ class DFlash(Node):
         """Ingest new features, run one block; the draft rows' hidden states and logits (None when K = 0)."""
         # returns hidden: [1, K, H] (final-normed), logits: [1, K, V] float32
         self._bind()
-        self._ingest(inputs.get("features"))
         cfg, device = self.config, self.ctx.device
         k = min(cfg.block_size - 1, req.num_draft)
+        features = inputs.get("features")
+        runner = self._runner() if k > 0 else None
+        if runner is not None and features is not None and runner.width == k + 1 \
+                and features.start + features.hidden.shape[1] == req.position:
+            rows = features.hidden.shape[1]  # [1, C, n*H]; a long prompt's rows go in eagerly but the last
+            if rows > runner.width or features.start != self.cache.length:
+                self._ingest(Features(features.hidden[:, :-1], features.start))
+                features = Features(features.hidden[:, -1:], req.position - 1)
+            if features.start == self.cache.length:
+                return runner(features.hidden, features.start, req.anchor)  # [1, K, H], [1, K, V]
+        self._ingest(features)
         if k == 0:
             return None
         if self.cache.length != req.position:
@@ -124,6 +139,16 @@ class DFlash(Node):
             x = x * cfg.input_embedding_scale
         hidden = self.model(x, self.cache)[:, 1:]  # [1, K, H]; block K/V sit past cache.length, dropped by the next crop
         return hidden, draft_logits(hidden, self.head, cfg)
+
+    def _runner(self):
+        """The CUDA-graph proposal path, when enabled and on CUDA (built once, after binding)."""
+        if self.runner is None and self.ctx.params.get("cuda_graphs") and torch.device(self.ctx.device).type == "cuda" \
+                and self.ctx.num_draft > 0:
+            from draftflow.plugins.dflash.graphs import DraftRunner
+
+            width = min(self.ctx.num_draft, self.config.block_size - 1) + 1
+            self.runner = DraftRunner(self.model, self.cache, self.embed, self.head, width)
+        return self.runner
 
     @torch.inference_mode()
     def step(self, req, inputs):

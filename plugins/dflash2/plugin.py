@@ -31,13 +31,15 @@ from draftflow.core.problems import Problem
 from draftflow.core.registry import NodeType
 from draftflow.plugins.dflash.config import kv_shape
 from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, tap_layer_check
+from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 from draftflow.plugins.dflash2.config import weight_bytes
 from draftflow.plugins.dflash2.loader import load_drafter, read_config
 from draftflow.plugins.dflash2.model import CandidateSelector, walk
 from draftflow.plugins.target.kv_cache import KVCache
 from draftflow.verify import sample
 
-PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),)
+PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
+          DFLASH_PARAMS[1])  # cuda_graphs
 
 
 @attrs.define
@@ -79,6 +81,7 @@ class DFlash2(DFlash):
         self.cache = KVCache.from_static(ctx.buffers["dflash2_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
         self.embed: torch.Tensor | None = None  # [V, H], the target's
         self.head: torch.Tensor | None = None  # [V, H], the target's
+        self.runner = None  # DraftRunner, built on first use once the target's weights are bound
 
     def _bind(self) -> None:
         first = self.embed is None

@@ -157,3 +157,37 @@ def test_shipped_graphs_run_losslessly_with_local_models(random_pair, registry, 
                  "max_context=128"]
     spec = load_graph(ROOT / "graphs" / name, overrides)
     assert greedy_gate(spec, prompts=[[3, 4, 5]], max_new_tokens=8, registry=registry).drafted > 0
+
+
+def test_static_proposal_step_runs_the_dynamic_convolutions(pair, tmp_path, registry):
+    """DFlash2 through the CUDA-graph step (run uncaptured on the CPU) gives the eager node's candidates."""
+    from draftflow.plugins.dflash.graphs import DraftRunner
+
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    runs = []
+    for static in (False, True):
+        ex = Executor(build_plan(load_graph(graph), registry))
+        node = ex.nodes["drafter"]
+        if static:
+            def make(node=node):
+                if node.runner is None:
+                    node.runner = DraftRunner(node.model, node.cache, node.embed, node.head, BLOCK, capture=False)
+                return node.runner
+            node._runner = make
+        else:
+            node._runner = lambda: None
+        scores = []
+        original = node.step
+
+        def spy(req, inputs, original=original, scores=scores):
+            out = original(req, inputs)
+            scores.append(out["candidates"].scores.clone())
+            return out
+
+        node.step = spy
+        tokens = ex.generate([3, 4, 5, 6, 7], SamplingParams(max_new_tokens=16)).token_ids
+        runs.append((tokens, scores, node.runner))
+    (want, want_scores, _), (got, got_scores, runner) = runs
+    assert runner is not None and got == want
+    for g, w in zip(got_scores, want_scores):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,161 @@
+"""One DFlash proposal (feature ingest + block forward + LM head) as a CUDA graph per KV bucket.
+
+A cycle's proposal ingests the C feature rows the last commit added (C = accepted + 1,
+so 1..W) and then runs the W-row block `[anchor, MASK x (W-1)]` right after them. To keep
+every shape fixed, ingest always projects W rows from a static input buffer: rows past C
+hold stale values whose K/V land at positions start+C .. start+W-1, and the block, which
+starts at start+C, overwrites every one of those cells before any query reads them.
+Positions and the block start live in device tensors, attention reads a fixed cache
+prefix (a bucket, as in the target's graphs) with later keys masked, so one graph per
+bucket serves every cycle and a replay needs no Python and no host synchronisation.
+
+The math is `DFlashModel.add_context` followed by `DFlashModel.forward`, op for op
+(DFlash2's convolution slots included), so float32 results agree with the eager node to
+rounding (tests/plugins/dflash/test_dflash_graph_runner.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
+
+from draftflow.plugins.dflash.config import DFlashConfig
+from draftflow.plugins.dflash.model import DFlashModel, draft_logits
+from draftflow.plugins.target.graphs import _BACKENDS, WARMUP_RUNS, _attend, bucket_for
+from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.model import _rotate
+
+
+def _visible(cfg: DFlashConfig, layer: int, block_pos: torch.Tensor, bucket: int) -> torch.Tensor:
+    """Which of the first `bucket` keys each block row sees: the context and the block (causally / windowed per layer)."""
+    # block_pos: [W] absolute positions of the block rows; returns [W, bucket] bool
+    key = torch.arange(bucket, device=block_pos.device)[None, :]  # [1, S]
+    query = block_pos[:, None]  # [W, 1]
+    visible = (key <= block_pos[-1]).expand(block_pos.shape[0], bucket)  # every cell up to the block's last row
+    if cfg.layer_is_causal(layer):
+        visible = visible & (key <= query)
+    if cfg.layer_type(layer) == "sliding_attention":
+        visible = visible & (query - key < cfg.sliding_window)
+        if not cfg.layer_is_causal(layer):
+            visible = visible & (key - query < cfg.sliding_window)
+    return visible
+
+
+class DraftRunner:
+    """Static-shape DFlash proposals; `capture=False` runs the same step eagerly (CPU, tests).
+
+    Returned hidden states and logits are views of static buffers, valid until the next call.
+    """
+
+    def __init__(self, model: DFlashModel, cache: KVCache, embed: torch.Tensor, head: torch.Tensor, width: int,
+                 *, capture: bool = True, min_bucket: int = 256) -> None:
+        # embed, head: [V, H] (the target's); width: block rows W = drafts + 1
+        if cache.mode != "static":
+            raise ValueError("DraftRunner needs a static draft cache: graphs cannot follow a growing buffer")
+        cfg = model.config
+        device, dtype = embed.device, embed.dtype
+        self.model, self.cache, self.embed, self.head, self.cfg = model, cache, embed, head, cfg
+        self.width, self.capture, self.min_bucket = width, capture, min_bucket
+        self.features = torch.zeros(1, width, cfg.num_taps * cfg.hidden_size, dtype=dtype, device=device)  # [1, W, n*H]
+        self.block = torch.full((1, width), cfg.mask_token_id, dtype=torch.long, device=device)  # [1, W]
+        self.start = torch.zeros(1, dtype=torch.long, device=device)  # first new context row
+        self.num_new = torch.zeros(1, dtype=torch.long, device=device)  # C
+        self.hidden = torch.zeros(1, width - 1, cfg.hidden_size, dtype=dtype, device=device)  # [1, W-1, H]
+        self.logits = torch.zeros(1, width - 1, head.shape[0], dtype=torch.float32, device=device)  # [1, W-1, V]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def __call__(self, rows: torch.Tensor, start: int, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ingest `rows` at `start`, then draft the block anchored at start + C; return (hidden, logits)."""
+        # rows: [1, C, n*H] with 1 <= C <= W; returns hidden [1, W-1, H], logits [1, W-1, V] float32
+        c = rows.shape[1]
+        if not 1 <= c <= self.width:
+            raise ValueError(f"DraftRunner ingests 1..{self.width} rows per proposal, got {c}")
+        end = start + c + self.width  # one past the block's last row
+        self.cache.ensure(end)
+        self.features[:, :c].copy_(rows)
+        self.block[:, :1].fill_(anchor)
+        self.start.fill_(start)
+        self.num_new.fill_(c)
+        bucket = bucket_for(end, self.cache.capacity, self.min_bucket)
+        if not self.capture:
+            self._run(bucket)
+        else:
+            graph = self.graphs.get(bucket)
+            (graph if graph is not None else self._capture(bucket)).replay()
+        self.cache.commit(start + c)  # the context now ends where the block began
+        return self.hidden, self.logits
+
+    def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m, cfg, kv, w = self.model, self.cfg, self.cache.buffer, self.width
+        arange = torch.arange(w, device=self.block.device)
+        ctx_pos = self.start + arange  # [W]; rows >= C are overwritten by the block below
+        ctx = m.hidden_norm(m.fc(self.features))  # [1, W, H]
+        cos, sin = _rope(m, ctx_pos, ctx.dtype)
+        for i, layer in enumerate(m.layers):
+            k, v = layer.self_attn.keys_values(ctx, cos, sin)
+            kv[i, 0].index_copy_(1, ctx_pos, k)
+            kv[i, 1].index_copy_(1, ctx_pos, v)
+
+        pos = self.start + self.num_new + arange  # [W] block positions
+        x = F.embedding(self.block, self.embed)  # [1, W, H]
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
+        cos, sin = _rope(m, pos, x.dtype)
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            if layer.attention_conv is not None:
+                h, attn_state = layer.attention_conv.prepare(h)
+            q = _rotate(attn.q_norm(attn.q_proj(h).view(1, w, attn.num_heads, attn.head_dim)), cos, sin)
+            k, v = attn.keys_values(h, cos, sin)
+            kv[i, 0].index_copy_(1, pos, k)
+            kv[i, 1].index_copy_(1, pos, v)
+            groups = attn.num_heads // attn.num_kv_heads
+            visible = _visible(cfg, i, pos, bucket)  # [W, S]
+            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
+            folded = q.view(1, w, attn.num_kv_heads, groups, attn.head_dim).permute(0, 2, 3, 1, 4)
+            folded = folded.reshape(1, attn.num_kv_heads, groups * w, attn.head_dim)  # [1, KVH, G*W, D]
+            out = _attend(folded, kv[i, 0, :, :bucket], kv[i, 1, :, :bucket], mask.repeat(groups, 1), w)
+            y = attn.o_proj(out)
+            if layer.attention_conv is not None:
+                y = layer.attention_conv.finish(y, attn_state)
+            x = x + y
+            u = layer.post_attention_layernorm(x)
+            if layer.mlp_conv is None:
+                x = x + layer.mlp(u)
+            else:
+                u, mlp_state = layer.mlp_conv.prepare(u)
+                x = x + layer.mlp_conv.finish(layer.mlp(u), mlp_state)
+        hidden = m.norm(x)[:, 1:]  # [1, W-1, H]
+        return hidden, draft_logits(hidden, self.head, cfg)
+
+    def _run(self, bucket: int) -> None:
+        with sdpa_kernel(_BACKENDS) if self.block.is_cuda else nullcontext():
+            hidden, logits = self._step(bucket)
+        self.hidden.copy_(hidden)
+        self.logits.copy_(logits)
+
+    def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
+        # Warm-up runs write the same cells the replay will, so they change nothing.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run(bucket)
+        self.graphs[bucket] = graph
+        return graph
+
+
+def _rope(model: DFlashModel, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # pos: [T] on the device; returns cos, sin: [T, 1, D], as DFlashModel._rope computes them
+    freqs = pos.float()[:, None] * model.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)

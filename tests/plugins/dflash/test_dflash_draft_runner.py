@@ -1,0 +1,101 @@
+"""The static-shape DFlash proposal (CUDA-graph path) drafts what the eager node drafts.
+
+On the CPU the runner's step runs without capture (the same ops a graph replays); the
+`gpu` test captures real graphs. Logits are compared per cycle, so a wrong mask, a stale
+context row that is read, or a wrong block position fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash_testlib import BLOCK, agreeing_pair, write_graph
+
+from draftflow.core.executor import Executor
+from draftflow.core.node import SamplingParams
+from draftflow.core.plan import build_plan
+from draftflow.core.registry import load_registry
+from draftflow.core.spec import load_graph
+from draftflow.plugins.dflash.graphs import DraftRunner
+
+PROMPTS = [[3, 4, 5, 6], [10, 11], [7] * 9 + [8, 9, 12, 13, 14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return agreeing_pair(tmp_path_factory.mktemp("pair"))
+
+
+def _drafts(graph, device: str, runner: bool, num_draft: int = BLOCK - 1, capture: bool = False):
+    """Per-cycle (position, logits) of the drafter and the emitted tokens, eager or through the runner."""
+    plan = build_plan(load_graph(graph, overrides=[f"device={device}"] if device != "cpu" else ()), load_registry())
+    ex = Executor(plan)
+    node = ex.nodes["drafter"]
+    used = []
+    if runner:
+        def make():
+            if node.runner is None:
+                width = min(node.ctx.num_draft, node.config.block_size - 1) + 1
+                node.runner = DraftRunner(node.model, node.cache, node.embed, node.head, width, capture=capture,
+                                          min_bucket=16)
+            used.append(True)
+            return node.runner
+        node._runner = make
+    else:
+        node._runner = lambda: None
+    seen = []
+    original = node.draft_block
+
+    def spy(req, inputs):
+        out = original(req, inputs)
+        if out is not None:
+            seen.append((req.position, out[1].clone()))
+        return out
+
+    node.draft_block = spy
+    emitted = [ex.generate(p, SamplingParams(max_new_tokens=20)).token_ids for p in PROMPTS]
+    return seen, emitted, used
+
+
+def test_runner_drafts_equal_eager_drafts(pair, tmp_path):
+    """Every cycle's draft logits through the static step equal the eager forward's (float32), outputs identical."""
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    want, want_out, _ = _drafts(graph, "cpu", runner=False)
+    got, got_out, used = _drafts(graph, "cpu", runner=True)
+    assert used, "the runner path was never taken"
+    assert got_out == want_out
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_runner_handles_short_blocks_by_falling_back(pair, tmp_path):
+    """With num_draft below block_size-1 the runner is built at that width and outputs stay equal."""
+    graph = write_graph(tmp_path / "g.yaml", *pair, num_draft=2)
+    _, want_out, _ = _drafts(graph, "cpu", runner=False)
+    got, got_out, used = _drafts(graph, "cpu", runner=True)
+    assert used and got_out == want_out
+    assert all(logits.shape[1] <= 2 for _, logits in got)
+
+
+def test_runner_rejects_more_rows_than_its_width(pair, tmp_path):
+    """Ingesting more rows than the block width is refused (the node splits long prompts first)."""
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    ex = Executor(build_plan(load_graph(graph), load_registry()))
+    node = ex.nodes["drafter"]
+    ex.generate([3, 4, 5], SamplingParams(max_new_tokens=2))
+    runner = DraftRunner(node.model, node.cache, node.embed, node.head, 3, capture=False)
+    with pytest.raises(ValueError, match="1..3 rows"):
+        runner(torch.zeros(1, 4, node.model.fc.in_features), 0, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_graphs_draft_what_eager_drafts_on_cuda(pair, tmp_path):
+    """On CUDA the captured graphs give the eager node's drafts and outputs (float32)."""
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    want, want_out, _ = _drafts(graph, "cuda", runner=False)
+    got, got_out, used = _drafts(graph, "cuda", runner=True, capture=True)
+    assert used and got_out == want_out
+    for (_, g), (_, w) in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
