@@ -85,6 +85,11 @@ class DFlashConfig:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE covers the whole head (what `rope_inv_freq` reads)."""
+        return self.head_dim
+
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full_attention"
 
