@@ -38,7 +38,7 @@ DRAFTER_8B = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "voc
 PUBLISHED_TAU = {"GSM8K": 6.55, "HumanEval": 6.55, "MATH500": 7.87, "MT-Bench": 4.25, "Alpaca": 3.16}
 
 
-def our_loop(target, tcfg, tcfg_d, drafter, dcfg, dcfg_d, prompt, new: int) -> dict:
+def our_loop(target, tcfg, tcfg_d, drafter, dcfg, dcfg_d, prompt, new: int, profile: str | None = None) -> dict:
     """Per-cycle time of a real draftflow graph (target + dflash + verifier) on the in-memory models."""
     from draftflow.core.node import SamplingParams
     from draftflow.core.session import Session
@@ -67,6 +67,19 @@ def our_loop(target, tcfg, tcfg_d, drafter, dcfg, dcfg_d, prompt, new: int) -> d
         gt.sync()
         cycles = out.stats["cycles"]
         times.append(((time.perf_counter() - t) - out.stats["ttft_s"]) / max(cycles - 1, 1) * 1e3)
+    if profile:  # host time per function over one run: what the GPU waits for between graph replays
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        session.generate(prompt, sp)
+        gt.sync()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        Path(profile).write_text(text.getvalue())
     return {"cycle_ms": statistics.median(times), "tau": out.stats.get("tau"), "cycles": cycles}
 
 
@@ -103,6 +116,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--new", type=int, default=64, help="tokens per loop run")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="write a host-side cProfile of one run of our loop here")
     a = p.parse_args()
     from draftflow.core.tracing import configure_logging
     from draftflow.plugins.dflash.config import DFlashConfig, kv_shape
@@ -180,7 +194,7 @@ def main() -> None:
             res["step1_ms"] = gt.cuda_ms(lambda: eager(1), reps=3)
 
     prompt = [int(t) for t in torch.randint(0, tcfg.vocab_size, (64,), generator=torch.Generator().manual_seed(3))]
-    res["ours_loop"] = our_loop(target, tcfg, tcfg_d, drafter, dcfg, dcfg_d, prompt, a.new)
+    res["ours_loop"] = our_loop(target, tcfg, tcfg_d, drafter, dcfg, dcfg_d, prompt, a.new, a.profile)
     try:
         res["reference_loop"] = reference_loop(target, tcfg_d, drafter, dcfg_d, prompt, a.new)
     except ImportError as e:  # the dflash package is a test-only oracle; say so instead of failing the run
