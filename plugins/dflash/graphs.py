@@ -1,4 +1,4 @@
-"""One DFlash proposal (feature ingest + block forward + LM head) as a CUDA graph per KV bucket.
+"""One DFlash proposal (feature ingest + block forward + LM head) as a CUDA graph per (width, KV bucket).
 
 A cycle's proposal ingests the C feature rows the last commit added (C = accepted + 1,
 so 1..W) and then runs the W-row block `[anchor, MASK x (W-1)]` right after them. To keep
@@ -7,7 +7,8 @@ hold stale values whose K/V land at positions start+C .. start+W-1, and the bloc
 starts at start+C, overwrites every one of those cells before any query reads them.
 Positions and the block start live in device tensors, attention reads a fixed cache
 prefix (a bucket, as in the target's graphs) with later keys masked, so one graph per
-bucket serves every cycle and a replay needs no Python and no host synchronisation.
+bucket serves every cycle of a width (the width shrinks only near `max_new_tokens`) and a
+replay needs no Python and no host synchronisation.
 
 The math is `DFlashModel.add_context` followed by `DFlashModel.forward`, op for op
 (DFlash2's convolution slots included), so float32 results agree with the eager node to
@@ -52,7 +53,7 @@ class DraftRunner:
 
     def __init__(self, model: DFlashModel, cache: KVCache, embed: torch.Tensor, head: torch.Tensor, width: int,
                  *, capture: bool = True, min_bucket: int = 256) -> None:
-        # embed, head: [V, H] (the target's); width: block rows W = drafts + 1
+        # embed, head: [V, H] (the target's); width: the widest block, rows W = drafts + 1
         if cache.mode != "static":
             raise ValueError("DraftRunner needs a static draft cache: graphs cannot follow a growing buffer")
         cfg = model.config
@@ -65,16 +66,20 @@ class DraftRunner:
         self.num_new = torch.zeros(1, dtype=torch.long, device=device)  # C
         self.hidden = torch.zeros(1, width - 1, cfg.hidden_size, dtype=dtype, device=device)  # [1, W-1, H]
         self.logits = torch.zeros(1, width - 1, head.shape[0], dtype=torch.float32, device=device)  # [1, W-1, V]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def __call__(self, rows: torch.Tensor, start: int, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ingest `rows` at `start`, then draft the block anchored at start + C; return (hidden, logits)."""
+    def __call__(self, rows: torch.Tensor, start: int, anchor: int, width: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ingest `rows` at `start`, then draft a `width`-row block anchored at start + C; return (hidden, logits)."""
         # rows: [1, C, n*H] with 1 <= C <= W; returns hidden [1, W-1, H], logits [1, W-1, V] float32
+        w = self.width if width is None else width
         c = rows.shape[1]
-        if not 1 <= c <= self.width:
-            raise ValueError(f"DraftRunner ingests 1..{self.width} rows per proposal, got {c}")
-        end = start + c + self.width  # one past the block's last row
+        if not 2 <= w <= self.width:
+            raise ValueError(f"DraftRunner drafts blocks of 2..{self.width} rows, got {w}")
+        if not 1 <= c <= w:
+            raise ValueError(f"DraftRunner ingests 1..{w} rows per proposal of width {w}, got {c}")
+        end = start + c + w  # one past the block's last row
         self.cache.ensure(end)
         self.features[:, :c].copy_(rows)
         self.block[:, :1].fill_(anchor)
@@ -82,18 +87,18 @@ class DraftRunner:
         self.num_new.fill_(c)
         bucket = bucket_for(end, self.cache.capacity, self.min_bucket)
         if not self.capture:
-            self._run(bucket)
+            self._run(w, bucket)
         else:
-            graph = self.graphs.get(bucket)
-            (graph if graph is not None else self._capture(bucket)).replay()
+            graph = self.graphs.get((w, bucket))
+            (graph if graph is not None else self._capture(w, bucket)).replay()
         self.cache.commit(start + c)  # the context now ends where the block began
-        return self.hidden, self.logits
+        return self.hidden[:, :w - 1], self.logits[:, :w - 1]
 
-    def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        m, cfg, kv, w = self.model, self.cfg, self.cache.buffer, self.width
+    def _step(self, w: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m, cfg, kv = self.model, self.cfg, self.cache.buffer
         arange = torch.arange(w, device=self.block.device)
         ctx_pos = self.start + arange  # [W]; rows >= C are overwritten by the block below
-        ctx = m.hidden_norm(m.fc(self.features))  # [1, W, H]
+        ctx = m.hidden_norm(m.fc(self.features[:, :w]))  # [1, W, H]
         cos, sin = _rope(m, ctx_pos, ctx.dtype)
         for i, layer in enumerate(m.layers):
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
@@ -101,7 +106,7 @@ class DraftRunner:
             kv[i, 1].index_copy_(1, ctx_pos, v)
 
         pos = self.start + self.num_new + arange  # [W] block positions
-        x = F.embedding(self.block, self.embed)  # [1, W, H]
+        x = F.embedding(self.block[:, :w], self.embed)  # [1, W, H]
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
         cos, sin = _rope(m, pos, x.dtype)
@@ -133,24 +138,24 @@ class DraftRunner:
         hidden = m.norm(x)[:, 1:]  # [1, W-1, H]
         return hidden, draft_logits(hidden, self.head, cfg)
 
-    def _run(self, bucket: int) -> None:
+    def _run(self, w: int, bucket: int) -> None:
         with sdpa_kernel(_BACKENDS) if self.block.is_cuda else nullcontext():
-            hidden, logits = self._step(bucket)
-        self.hidden.copy_(hidden)
-        self.logits.copy_(logits)
+            hidden, logits = self._step(w, bucket)
+        self.hidden[:, :w - 1].copy_(hidden)
+        self.logits[:, :w - 1].copy_(logits)
 
-    def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, w: int, bucket: int) -> torch.cuda.CUDAGraph:
         # Warm-up runs write the same cells the replay will, so they change nothing.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                self._run(bucket)
+                self._run(w, bucket)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._run(bucket)
-        self.graphs[bucket] = graph
+            self._run(w, bucket)
+        self.graphs[(w, bucket)] = graph
         return graph
 
 

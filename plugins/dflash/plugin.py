@@ -118,14 +118,13 @@ class DFlash(Node):
         k = min(cfg.block_size - 1, req.num_draft)
         features = inputs.get("features")
         runner = self._runner() if k > 0 else None
-        if runner is not None and features is not None and runner.width == k + 1 \
-                and features.start + features.hidden.shape[1] == req.position:
-            rows = features.hidden.shape[1]  # [1, C, n*H]; a long prompt's rows go in eagerly but the last
-            if rows > runner.width or features.start != self.cache.length:
+        if runner is not None and features is not None and features.start + features.hidden.shape[1] == req.position:
+            rows = features.hidden.shape[1]  # [1, C, n*H]; rows beyond the block width go in eagerly but the last
+            if rows > k + 1 or features.start != self.cache.length:
                 self._ingest(Features(features.hidden[:, :-1], features.start))
                 features = Features(features.hidden[:, -1:], req.position - 1)
             if features.start == self.cache.length:
-                return runner(features.hidden, features.start, req.anchor)  # [1, K, H], [1, K, V]
+                return runner(features.hidden, features.start, req.anchor, k + 1)  # [1, K, H], [1, K, V]
         self._ingest(features)
         if k == 0:
             return None

@@ -38,7 +38,9 @@ def _drafts(graph, device: str, runner: bool, num_draft: int = BLOCK - 1, captur
                 width = min(node.ctx.num_draft, node.config.block_size - 1) + 1
                 node.runner = DraftRunner(node.model, node.cache, node.embed, node.head, width, capture=capture,
                                           min_bucket=16)
-            used.append(True)
+                call = node.runner.__call__
+                node.runner = type("Spy", (), {"__call__": lambda self, *a: used.append(a[3]) or call(*a)})()
+
             return node.runner
         node._runner = make
     else:
@@ -62,7 +64,7 @@ def test_runner_drafts_equal_eager_drafts(pair, tmp_path):
     graph = write_graph(tmp_path / "g.yaml", *pair)
     want, want_out, _ = _drafts(graph, "cpu", runner=False)
     got, got_out, used = _drafts(graph, "cpu", runner=True)
-    assert used, "the runner path was never taken"
+    assert BLOCK in used and min(used) < BLOCK, f"runner widths used: {sorted(set(used))}"
     assert got_out == want_out
     assert [p for p, _ in got] == [p for p, _ in want]
     for (_, g), (_, w) in zip(got, want):
@@ -74,7 +76,7 @@ def test_runner_handles_short_blocks_by_falling_back(pair, tmp_path):
     graph = write_graph(tmp_path / "g.yaml", *pair, num_draft=2)
     _, want_out, _ = _drafts(graph, "cpu", runner=False)
     got, got_out, used = _drafts(graph, "cpu", runner=True)
-    assert used and got_out == want_out
+    assert used and max(used) == 3 and got_out == want_out
     assert all(logits.shape[1] <= 2 for _, logits in got)
 
 
