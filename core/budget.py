@@ -2,6 +2,12 @@
 
 Like vLLM's memory-utilization setting, the target's KV capacity is whatever the budget
 leaves after every node's weights and scratch, capped by the model's context limit.
+
+A graph whose target declares an expert pool (MoE, ``Vram.experts``) is planned the other
+way round: the KV cache gets its full cap (``max_context``, else the model's context
+limit) and the expert cache takes what is left after every node's weights, KV and
+scratch. Each other node's cost is stated in experts: how many more would be resident
+without it.
 """
 
 from __future__ import annotations
@@ -18,10 +24,23 @@ class VramRow:
     weights: int
     kv: int
     scratch: int
+    experts: int = 0  # bytes of the resident expert cache
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.scratch
+        return self.weights + self.kv + self.scratch + self.experts
+
+
+@attrs.frozen
+class ExpertPlan:
+    """How many of a node's pooled experts are device resident, and what each other node costs in experts."""
+
+    node: str
+    resident: int
+    total: int
+    bytes_per_expert: int
+    reason: str  # "pinned by expert_cache", "vram_budget", "all fit", "no vram_budget"
+    costs: tuple[tuple[str, int], ...] = ()  # (node, experts it displaces); empty without a budget
 
 
 @attrs.frozen
@@ -30,6 +49,7 @@ class VramPlan:
     budget: int | None
     kv_tokens: int | None
     kv_limit_reason: str
+    experts: ExpertPlan | None = None
 
     @property
     def total(self) -> int:
@@ -61,6 +81,9 @@ def plan_vram(manifests: dict, budget: int | None, max_context: int | None):
         reason = "max_context"
     fixed_total = sum(fixed.values())
     kv_tokens = cap if kv_bytes_per_token else None
+    pools = {name: m.vram.experts for name, m in manifests.items() if m.vram.experts is not None}
+    if pools:
+        return _plan_with_experts(manifests, budget, fixed, per_token, kv_tokens, reason, pools, problems)
     if budget is not None:
         left = budget - fixed_total
         if left < 0:
@@ -88,3 +111,50 @@ def plan_vram(manifests: dict, budget: int | None, max_context: int | None):
 
 def _n(manifests, manifest):
     return next(name for name, m in manifests.items() if m is manifest)
+
+
+def _plan_with_experts(manifests, budget, fixed, per_token, kv_tokens, reason, pools, problems):
+    """KV at its cap; the one expert pool gets what the budget leaves (or its pinned count)."""
+    owner, pool = next(iter(pools.items()))
+    if len(pools) > 1:
+        problems.append((sorted(pools)[1], f"nodes {', '.join(sorted(pools))} each declare an expert pool; one graph "
+                         "can size only one", "keep one MoE target in the graph"))
+    if kv_tokens is None and any(per_token.values()):
+        kv_tokens, reason = MIN_KV_TOKENS, "default for MoE targets without a context limit"
+    kv = {name: per_token[name] * (kv_tokens or 0) for name in manifests}
+    used = sum(fixed.values()) + sum(kv.values())
+    b = pool.bytes_per_expert
+    costs: tuple = ()
+    if budget is None:
+        resident, why = (pool.pinned, "pinned by expert_cache") if pool.pinned else (pool.total, "no vram_budget")
+    else:
+        left = budget - used
+        fit = min(pool.total, max(left, 0) // b)
+        if left < 0:
+            problems.append((owner, f"weights, scratch and a {kv_tokens}-token KV cache need {fmt_bytes(used)} but "
+                             f"vram_budget is {fmt_bytes(budget)}, before any expert",
+                             f"raise vram_budget above {fmt_bytes(used + pool.minimum * b)} or lower max_context"))
+        resident, why = (pool.pinned, "pinned by expert_cache") if pool.pinned else (
+            fit, "all fit" if fit == pool.total else "vram_budget")
+        if not pool.pinned and 0 <= left and fit < pool.minimum:
+            problems.append((owner, f"the expert cache fits only {fit} experts in the {fmt_bytes(left)} left of "
+                             f"vram_budget after weights and a {kv_tokens}-token KV cache; {pool.minimum} needed "
+                             "(top-k per MoE layer)",
+                             f"raise vram_budget by {fmt_bytes((pool.minimum - fit) * b)} or lower max_context"))
+        elif pool.pinned and left >= 0 and pool.pinned * b > left:
+            problems.append((owner, f"expert_cache={pool.pinned} needs {fmt_bytes(pool.pinned * b)} but only "
+                             f"{fmt_bytes(left)} of vram_budget is left after weights and KV",
+                             f"lower expert_cache to at most {fit} or raise vram_budget"))
+        costs = tuple((name, min(pool.total, (max(left, 0) + fixed[name] + kv[name]) // b) - fit)
+                      for name in manifests if name != owner)
+    if pool.pinned and pool.pinned > pool.total:
+        problems.append((owner, f"expert_cache={pool.pinned} is more than the model's {pool.total} experts",
+                         f"set expert_cache to at most {pool.total} (0 = autosize)"))
+    elif pool.pinned and pool.pinned < pool.minimum:
+        problems.append((owner, f"expert_cache={pool.pinned} is below the minimum of {pool.minimum} (top-k per MoE layer)",
+                         f"set expert_cache to at least {pool.minimum} (0 = autosize)"))
+    resident = max(0, min(resident, pool.total))
+    rows = tuple(VramRow(name, m.vram.weights, kv[name], m.vram.scratch + m.fixed_buffer_bytes(),
+                         resident * b if name == owner else 0) for name, m in manifests.items())
+    plan = ExpertPlan(owner, resident, pool.total, b, why, costs)
+    return VramPlan(rows, budget, kv_tokens, reason, plan), problems

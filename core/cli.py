@@ -21,6 +21,29 @@ def _add_graph_args(p: argparse.ArgumentParser, positional: bool) -> None:
         p.add_argument("graph", help="graph YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a graph value, e.g. nodes.target.kv_mode=grow or num_draft=8 (repeatable)")
+    p.add_argument("--expert-cache", type=int, metavar="N",
+                   help="MoE targets: pin N experts resident on the device (0 = autosize); short for "
+                        "--set nodes.<target>.expert_cache=N on every target node")
+
+
+def _expert_cache_overrides(args) -> list[str]:
+    """`--expert-cache N` as `--set` overrides on every `plugin: target` node of the graph."""
+    if getattr(args, "expert_cache", None) is None:
+        return []
+    from draftflow.core.spec import read_graph_dict
+
+    path = getattr(args, "graph", None)
+    if path is None:  # generate's shortcut graph names its target node `target`
+        names = ["target"] if getattr(args, "target", None) else []
+        if not names:
+            path = str(Session.shipped_graph(DEFAULT_GRAPH))
+    if path is not None:
+        nodes = read_graph_dict(Path(path))[0].get("nodes") or {}
+        names = [n for n, body in nodes.items() if isinstance(body, dict) and body.get("plugin") == "target"]
+    if not names:
+        raise DraftflowError("--expert-cache: the graph has no node with plugin 'target'; set the expert_cache "
+                             "param of your target node with --set nodes.NAME.expert_cache=N")
+    return [f"nodes.{n}.expert_cache={args.expert_cache}" for n in names]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"generate": cmd_generate, "check": cmd_check, "plugins": cmd_plugins, "trace": cmd_trace, "train": cmd_train,
                "serve": cmd_serve}[args.command]
     try:
+        if hasattr(args, "overrides"):
+            args.overrides = list(args.overrides) + _expert_cache_overrides(args)
         return handler(args)
     except CheckError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -97,9 +97,11 @@ class Executor:
             m = resolved.manifest
             owned = self.owned[name]
             before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+            experts = self.plan.vram.experts if self.plan.vram is not None else None
             ctx = NodeContext(name=name, params=resolved.params, manifest=m, device=self.device, dtype=self.dtype,
                               num_draft=self.plan.spec.num_draft, kv_tokens=self.kv_tokens, buffers=owned,
-                              shared={b: all_buffers[b] for b in m.reads if b in all_buffers}, graph_nodes=self.nodes)
+                              shared={b: all_buffers[b] for b in m.reads if b in all_buffers}, graph_nodes=self.nodes,
+                              resident_experts=experts.resident if experts is not None and experts.node == name else None)
             self.nodes[name] = resolved.node_type.factory(ctx)
             seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in owned.values()}
             if self.device.type == "cuda":
@@ -190,6 +192,10 @@ class Executor:
                      "draft_ms": round(sum(times.get(r, 0.0) for r in DRAFT_ROLES), 4),
                      "verify_ms": round(times.get("target", 0.0) + times.get("verifier", 0.0), 4),
                      "commit_ms": round(commit_ms, 4)}
+            for name in self.order:  # node-contributed fields (docs/TRACING.md); core fields win
+                fields = getattr(self.nodes[name], "cycle_fields", None)
+                for key, value in (fields() if fields is not None else {}).items():
+                    event.setdefault(key, value)
             if self.hook is not None:
                 emit_cycle(self.hook, event)
             req.cycle += 1

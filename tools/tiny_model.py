@@ -3,7 +3,11 @@
 It is what the shipped default graph runs until trained weights ship, and what tests and
 benchmarks use when they need a target without downloading one:
 
-    python -m draftflow.tools.tiny_model OUT_DIR [--hidden 64 --layers 2 --vocab 512 --seed 0 --mtp]
+    python -m draftflow.tools.tiny_model OUT_DIR [--hidden 64 --layers 2 --vocab 512 --seed 0 --mtp] [--hybrid]
+    python -m draftflow.tools.tiny_model OUT_DIR --experts 16 --top-k 4     # a Qwen3-MoE target
+
+`--hybrid` writes a Qwen3-Next-style hybrid (Gated DeltaNet + gated full attention, every
+second layer full attention, dense MLPs) instead of a Qwen3.
 
 The tokenizer is a byte-level BPE trained on draftflow's own documentation, so any text
 round-trips. The weights are random: output is not meaningful text, but it is exactly
@@ -35,12 +39,38 @@ def hf_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, i
     }
 
 
+def hybrid_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, context: int) -> dict:
+    """A Qwen3-Next config: linear / full attention alternating (full_attention_interval 2), dense MLPs."""
+    head_dim = hidden // heads
+    return {
+        **hf_config(vocab, hidden, layers, heads, kv_heads, intermediate, context),
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "layer_types": ["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "linear_num_key_heads": max(1, heads // 2), "linear_num_value_heads": heads, "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim, "linear_conv_kernel_dim": 4, "num_experts": 0, "mlp_only_layers": [],
+    }
+
+
+def moe_config(config: dict, experts: int, top_k: int, moe_intermediate: int) -> dict:
+    """Turn a dense Qwen3 config dict into a Qwen3-MoE one (every layer sparse, renormalised top-k)."""
+    return {**config, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
+            "num_experts_per_tok": top_k, "moe_intermediate_size": moe_intermediate, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 def random_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]:
     """Weights scaled so activations stay O(1) and greedy argmaxes are not near ties."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in expected_tensors(cfg).items():
-        if len(shape) == 1:
+        if name.endswith("A_log"):  # decay rates exp(A_log) in [1, e): memory over a few tokens
+            out[name] = torch.rand(shape, generator=gen)
+        elif len(shape) == 3:  # depthwise conv [C, 1, K]
+            out[name] = torch.randn(shape, generator=gen) / shape[2] ** 0.5
+        elif len(shape) == 1 and cfg.norm_offset and name.endswith("norm.weight") and ".linear_attn." not in name:
+            out[name] = 0.1 * torch.randn(shape, generator=gen)  # (1 + w) norms
+        elif len(shape) == 1:
             out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
             out[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
@@ -83,12 +113,15 @@ def default_corpus() -> list[str]:
 
 def write_tiny_model(out: Path, vocab: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                      intermediate: int = 176, context: int = 2048, seed: int = 0, corpus: list[str] | None = None,
-                     mtp: bool = False) -> Path:
+                     mtp: bool = False, hybrid: bool = False, experts: int = 0, top_k: int = 2,
+                     moe_intermediate: int = 32) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab, corpus or default_corpus())
     vocab = tok.get_vocab_size()
-    config = hf_config(vocab, hidden, layers, heads, kv_heads, intermediate, context)
+    config = (hybrid_config if hybrid else hf_config)(vocab, hidden, layers, heads, kv_heads, intermediate, context)
+    if experts:
+        config = moe_config(config, experts, top_k, moe_intermediate)
     if mtp:
         config["num_nextn_predict_layers"] = 1  # the target loader leaves these tensors to the mtp node
     cfg = TargetConfig.from_hf_dict(config, str(out / "config.json"))
@@ -113,9 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp", action="store_true", help="also write a random DeepSeek-V3-layout MTP head (mtp.safetensors)")
+    p.add_argument("--hybrid", action="store_true", help="a Qwen3-Next-style hybrid (Gated DeltaNet + gated attention)")
+    p.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE target with this many experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="MoE: experts routed per token")
+    p.add_argument("--moe-intermediate", type=int, default=32, help="MoE: width of each expert")
     a = p.parse_args(argv)
     path = write_tiny_model(Path(a.out), a.vocab, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.context, a.seed,
-                            mtp=a.mtp)
+                            mtp=a.mtp, hybrid=a.hybrid, experts=a.experts, top_k=a.top_k,
+                            moe_intermediate=a.moe_intermediate)
     print(f"wrote {path}")
     return 0
 

@@ -19,8 +19,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2"}
+_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe"}
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @attrs.frozen
@@ -42,7 +45,7 @@ class RopeScaling:
 
 @attrs.frozen
 class TargetConfig:
-    """Shapes and numerics of a decoder-only target model (qwen3, llama or qwen2)."""
+    """Shapes and numerics of a decoder-only target model (qwen3, llama, qwen2, or qwen3_next hybrid)."""
 
     arch: str = attrs.field(validator=attrs.validators.in_(tuple(_MODEL_TYPES.values())))
     vocab_size: int
@@ -63,6 +66,53 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     source: str = ""
+    # Hybrid (qwen3_next) fields; the defaults describe a plain dense decoder.
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "linear_attention"; () = all full
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims only
+    attn_output_gate: bool = False  # q_proj also emits a per-channel gate; output *= sigmoid(gate)
+    norm_offset: bool = False  # RMSNorm scales by (1 + w) instead of w
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    # MoE fields (qwen3_moe; moe.py); num_experts == 0 describes a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # decoder layers whose MLP is a sparse MoE block
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a sparse MoE block instead of a dense MLP."""
+        return layer in self.moe_layers
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a Gated DeltaNet (linear-attention) layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.is_linear(i) for i in range(self.num_layers))
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache (full attention); linear layers keep a recurrent state instead."""
+        return self.num_layers - self.num_linear_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the short causal conv: q, k and v of every linear head."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -70,9 +120,20 @@ class TargetConfig:
                 f"{self.source}: num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}; expected a whole GQA ratio; fix the config"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 or self.rotary_dim % 2:
             raise ModelFormatError(
-                f"{self.source}: head_dim={self.head_dim} is odd; expected an even RoPE dimension; fix the config"
+                f"{self.source}: head_dim={self.head_dim} (rotary part {self.rotary_dim}) is odd; expected an even "
+                "RoPE dimension; fix the config"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelFormatError(
+                f"{self.source}: field 'layer_types' has {len(self.layer_types)} entries; expected one per layer "
+                f"(num_hidden_layers={self.num_layers}); fix the config"
+            )
+        if self.is_hybrid and self.linear_num_value_heads % max(self.linear_num_key_heads, 1):
+            raise ModelFormatError(
+                f"{self.source}: linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}; expected whole value groups; fix the config"
             )
 
     @classmethod
@@ -100,6 +161,11 @@ class TargetConfig:
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         bias = bool(d.get("attention_bias", False))
         eos = d.get("eos_token_id")
+        hybrid = _hybrid_fields(d, get, source) if arch == "qwen3_next" else {}
+        if arch == "qwen3_moe":
+            from draftflow.plugins.target.moe import moe_fields
+
+            hybrid.update(moe_fields(d, source, get.int("num_hidden_layers")))
         return cls(
             arch=arch,
             vocab_size=get.int("vocab_size"),
@@ -116,11 +182,49 @@ class TargetConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else bias,
             o_bias=False if arch == "qwen2" else bias,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_next", "qwen3_moe"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=normalize_eos(eos),
             source=source,
+            **hybrid,
         )
+
+
+def _hybrid_fields(d: dict[str, Any], get: _Getter, source: str) -> dict[str, Any]:
+    """Qwen3-Next extras: the layer pattern, gated attention, (1+w) norms, Gated DeltaNet shapes."""
+    layers = get.int("num_hidden_layers")
+    types = d.get("layer_types")
+    if types is None:  # transformers derives the pattern from the interval (every n-th layer is full attention)
+        interval = int(d.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    bad = sorted({t for t in types if t not in LAYER_TYPES})
+    if bad:
+        raise ModelFormatError(
+            f"{source}: field 'layer_types' holds {bad}; expected only {list(LAYER_TYPES)}; fix the config"
+        )
+    rope = d.get("rope_parameters") or {}
+    fields: dict[str, Any] = {}
+    if any(_is_sparse(d, i) for i in range(layers)):  # sparse MLPs: the Qwen3-MoE block with a shared expert
+        from draftflow.plugins.target.moe import moe_fields
+
+        fields = moe_fields(d, source, layers)
+    return fields | {
+        "layer_types": tuple(types),
+        "partial_rotary_factor": float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
+        "attn_output_gate": True,
+        "norm_offset": True,
+        "linear_num_key_heads": get.int("linear_num_key_heads"),
+        "linear_num_value_heads": get.int("linear_num_value_heads"),
+        "linear_key_head_dim": get.int("linear_key_head_dim"),
+        "linear_value_head_dim": get.int("linear_value_head_dim"),
+        "linear_conv_kernel": get.int("linear_conv_kernel_dim"),
+    }
+
+
+def _is_sparse(d: dict[str, Any], layer: int) -> bool:
+    """transformers' rule: a layer is an MoE block unless listed in mlp_only_layers or off the sparse step."""
+    experts, step = int(d.get("num_experts") or 0), int(d.get("decoder_sparse_step") or 1)
+    return layer not in (d.get("mlp_only_layers") or []) and experts > 0 and (layer + 1) % step == 0
 
 
 def normalize_eos(eos: int | list[int] | None) -> tuple[int, ...]:
@@ -193,20 +297,16 @@ def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
-        out[p + "self_attn.q_proj.weight"] = (q, h)
-        out[p + "self_attn.k_proj.weight"] = (kv, h)
-        out[p + "self_attn.v_proj.weight"] = (kv, h)
-        out[p + "self_attn.o_proj.weight"] = (h, q)
-        if cfg.attention_bias:
-            out[p + "self_attn.q_proj.bias"] = (q,)
-            out[p + "self_attn.k_proj.bias"] = (kv,)
-            out[p + "self_attn.v_proj.bias"] = (kv,)
-        if cfg.o_bias:
-            out[p + "self_attn.o_proj.bias"] = (h,)
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
-            out[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.is_linear(i):
+            out.update(_linear_attention_tensors(cfg, p + "linear_attn."))
+        else:
+            out.update(_attention_tensors(cfg, p + "self_attn."))
         out[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.is_moe(i):
+            from draftflow.plugins.target.moe import moe_tensors
+
+            out.update(moe_tensors(cfg, p + "mlp."))
+            continue
         out[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         out[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
@@ -216,6 +316,34 @@ def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _attention_tensors(cfg: TargetConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q_out = q * (2 if cfg.attn_output_gate else 1)  # gated attention: per head [query | gate]
+    out = {p + "q_proj.weight": (q_out, h), p + "k_proj.weight": (kv, h), p + "v_proj.weight": (kv, h),
+           p + "o_proj.weight": (h, q)}
+    if cfg.attention_bias:
+        out.update({p + "q_proj.bias": (q_out,), p + "k_proj.bias": (kv,), p + "v_proj.bias": (kv,)})
+    if cfg.o_bias:
+        out[p + "o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        out.update({p + "q_norm.weight": (cfg.head_dim,), p + "k_norm.weight": (cfg.head_dim,)})
+    return out
+
+
+def _linear_attention_tensors(cfg: TargetConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    key, value = cfg.linear_num_key_heads * cfg.linear_key_head_dim, hv * cfg.linear_value_head_dim
+    return {
+        p + "in_proj_qkvz.weight": (2 * key + 2 * value, h),
+        p + "in_proj_ba.weight": (2 * hv, h),
+        p + "conv1d.weight": (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel),
+        p + "dt_bias": (hv,),
+        p + "A_log": (hv,),
+        p + "norm.weight": (cfg.linear_value_head_dim,),
+        p + "out_proj.weight": (h, value),
+    }
+
+
 def weight_bytes(cfg: TargetConfig, dtype: torch.dtype) -> int:
     """Bytes the weights take on the device in `dtype` (a tied head is counted once)."""
     numel = sum(_prod(shape) for shape in expected_tensors(cfg).values())
@@ -223,8 +351,8 @@ def weight_bytes(cfg: TargetConfig, dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(cfg: TargetConfig, dtype: torch.dtype) -> int:
-    """Bytes one token position takes in the KV cache: K and V over all layers, batch 1."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """Bytes one token position takes in the KV cache: K and V over all full-attention layers, batch 1."""
+    return 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def _prod(shape: tuple[int, ...]) -> int:

@@ -20,8 +20,10 @@ from draftflow.plugins.target.config import RopeScaling, TargetConfig, expected_
 from draftflow.plugins.target.errors import ModelFormatError
 from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
+from draftflow.plugins.target.moe import HostExperts, is_expert_tensor
+from draftflow.plugins.target.moe_gguf import GGUF_ARCHS, MOE_LAYER_NAMES, expert_gguf_name, gguf_moe_fields, merged_views
 
-SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2")
+SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
 _Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # 32 int8 weights + one fp16 scale
 
@@ -38,6 +40,7 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    **MOE_LAYER_NAMES,
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -54,6 +57,9 @@ def hf_to_gguf_name(hf_name: str) -> str:
     stem, _, kind = hf_name.rpartition(".")
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{kind}"
+    expert = expert_gguf_name(hf_name)
+    if expert is not None:
+        return expert
     _, _, layer, module = stem.split(".", 3)
     return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
 
@@ -97,17 +103,31 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
         found[hf] = tuple(int(d) for d in reversed(t.shape))  # ne order -> torch order
         names[hf] = t.name
         tensors[hf] = t
-    check_tensors(found, cfg, source, names={hf: g for g, hf in to_hf.items()})
+    views = merged_views(found)  # llama.cpp's merged experts -> per-expert entries
+    for hf, (merged, j) in views.items():
+        found[hf], names[hf], tensors[hf] = found[merged][1:], f"{merged}[{j}]", (tensors[merged], found[merged], j)
+    for merged in {m for m, _ in views.values()}:
+        del found[merged]
+    check_tensors(found, cfg, source, names={**{hf: g for g, hf in to_hf.items()}, **names})
 
     model = TargetModel(cfg, dtype=dtype, device="meta")
-    state = {}
+    state, last = {}, (None, None)
     for hf in expected_tensors(cfg):
-        w = _dequantize(tensors[hf], found[hf], device, source).to(dtype)
+        where = "cpu" if is_expert_tensor(hf) else device  # MoE experts stay on the host
+        if type(tensors[hf]) is tuple:  # one expert of a merged tensor (ReaderTensor is a NamedTuple)
+            t, shape, j = tensors[hf]
+            if last[0] is not t:
+                last = (t, _dequantize(t, shape, where, source))
+            w = last[1][j].to(dtype)
+        else:
+            w = _dequantize(tensors[hf], found[hf], where, source).to(dtype)
         if cfg.arch == "llama" and ".self_attn.q_proj." in hf:
             w = llama_unpermute(w, cfg.num_heads)
         elif cfg.arch == "llama" and ".self_attn.k_proj." in hf:
             w = llama_unpermute(w, cfg.num_kv_heads)
         state[hf.removeprefix("model.")] = w
+    if cfg.moe_layers:
+        model.host_experts = HostExperts.pop_from_state(state, cfg, pin=torch.device(device).type == "cuda")
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     eos = tuple(
@@ -166,8 +186,10 @@ def _config(reader: GGUFReader, source: str) -> TargetConfig:
         rope = RopeScaling(rope_type="freq_factors", freq_factors=tuple(float(f) for f in factors))
     has_bias = "blk.0.attn_q.bias" in tensors
     eos = _value(reader, "tokenizer.ggml.eos_token_id")
+    layers = int(need("block_count"))
+    moe = gguf_moe_fields(lambda k: _value(reader, k), tensors, arch, layers, source) if arch in GGUF_ARCHS else {}
     return TargetConfig(
-        arch=arch,
+        arch=GGUF_ARCHS.get(arch, arch),
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -182,10 +204,11 @@ def _config(reader: GGUFReader, source: str) -> TargetConfig:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=True if arch == "qwen2" else has_bias,
         o_bias="blk.0.attn_output.bias" in tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
         bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         source=source,
+        **moe,
     )
 
 

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from draftflow.plugins.target.config import TargetConfig, expected_tensors, normalize_eos
 from draftflow.plugins.target.errors import ModelFormatError
 from draftflow.plugins.target.model import TargetModel
+from draftflow.plugins.target.moe import HostExperts, is_expert_tensor, split_fused_experts
 
 _PROGRESS_MIN_BYTES = 256 << 20
 _MAX_LISTED = 5
@@ -50,7 +51,8 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
     root = Path(path)
     cfg = read_config(root)
     shards = _shard_map(root)  # tensor name -> file
-    handles = {file: _open(file, device) for file in sorted(set(shards.values()))}
+    # MoE experts stay on the host, so read everything there and move the rest to the device.
+    handles = {file: _open(file, "cpu" if cfg.moe_layers else device) for file in sorted(set(shards.values()))}
     found = {}
     stored = {file: {_canonical(n): n for n in h.keys()} for file, h in handles.items()}
     for name, file in shards.items():
@@ -62,25 +64,35 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
         found[name] = tuple(handles[file].get_slice(stored[file][name]).get_shape())
     mtp = mtp_prefixes(_read_json(root / "config.json", required=True), cfg)
     found = {n: shape for n, shape in found.items() if not n.startswith(mtp)}
+    fused = split_fused_experts(found)  # transformers-5 fused experts -> per-expert views
     check_tensors(found, cfg, str(root), {n: str(f) for n, f in shards.items()})
 
     model = TargetModel(cfg, dtype=dtype, device="meta")
-    wanted = [n for n in shards if n in expected_tensors(cfg)]  # drops a tied model's lm_head
+    expected = expected_tensors(cfg)
+    wanted = [n for n in expected if n in shards or n in fused]  # drops a tied model's lm_head
     sizes = {n: _numel(found[n]) * dtype.itemsize for n in wanted}
     progress = _Progress(sum(sizes.values()), f"loading {root.name}")
-    state = {}
+    state, fused_read = {}, {}
     for name in wanted:
-        file = shards[name]
+        source, expert, rows = fused.get(name, (name, None, None))
+        file = shards[source]
         try:
-            tensor = handles[file].get_tensor(stored[file][name])
+            if expert is None:
+                tensor = handles[file].get_tensor(stored[file][source])
+            else:  # one read per fused tensor, sliced per expert
+                if source not in fused_read:
+                    fused_read = {source: handles[file].get_tensor(stored[file][source])}
+                tensor = fused_read[source][expert, rows]
         except Exception as exc:  # noqa: BLE001 - any read failure means a damaged file
             raise ModelFormatError(
                 f"{file}: reading tensor {name!r} failed ({exc}); expected a complete safetensors file; "
                 "re-download or re-save the checkpoint"
             ) from exc
-        state[_module_name(name)] = tensor.to(device=device, dtype=dtype)
+        state[_module_name(name)] = tensor.to(device="cpu" if is_expert_tensor(name) else device, dtype=dtype)
         progress.update(sizes[name])
     progress.close()
+    if cfg.moe_layers:
+        model.host_experts = HostExperts.pop_from_state(state, cfg, pin=torch.device(device).type == "cuda")
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # moves the non-persistent RoPE buffer; weights are already there
 

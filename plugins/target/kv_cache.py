@@ -18,8 +18,8 @@ from draftflow.plugins.target.errors import CacheCapacityError
 
 
 def static_shape(cfg: TargetConfig, batch: int, capacity: int) -> tuple[int, int, int, int, int, int]:
-    """Shape of the one preallocated buffer a static cache wraps."""
-    return (cfg.num_layers, 2, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    """Shape of the one preallocated buffer a static cache wraps (full-attention layers only)."""
+    return (cfg.num_kv_layers, 2, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
 
 
 class KVCache:

@@ -1,10 +1,11 @@
-"""The target model: a qwen3 / llama / qwen2 decoder with one forward for every phase.
+"""The target model: a qwen3 / llama / qwen2 decoder (or a qwen3_next hybrid) with one forward for every phase.
 
 The same `forward` serves chunked prefill, one-token decode and multi-token verify
 windows: tokens are always written to the cache at absolute positions
 `start_pos .. start_pos+T-1` and attend to cache[:start_pos] plus the causal window.
 Module and parameter names equal the HF names without the `model.` prefix, so loading
-is a rename, not a rewrite.
+is a rename, not a rewrite. Hybrid stacks put a Gated DeltaNet (`linear_attn`, gdn.py)
+in place of attention on some layers; those layers read and write a `LinearState`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.plugins.target.config import TargetConfig
+from draftflow.plugins.target.gdn import GatedDeltaNet
 from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.linear_state import LinearState
+from draftflow.plugins.target.moe import SparseMoeBlock
 
 # `enable_gqa` lets SDPA broadcast KV heads without materialising repeated K/V (torch >= 2.5).
 _NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -24,8 +28,8 @@ _NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 def rope_inv_freq(cfg: TargetConfig) -> torch.Tensor:
     """RoPE inverse frequencies, float32 on CPU, computed exactly as transformers does."""
-    # returns: [head_dim // 2]
-    dim = cfg.head_dim
+    # returns: [rotary_dim // 2]
+    dim = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rs = cfg.rope_scaling
     if rs is None:
@@ -53,22 +57,32 @@ def llama3_freq_factors(cfg: TargetConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32, cast back before the weight multiply (the HF order)."""
+    """RMSNorm in float32, cast back before the weight multiply (the HF order).
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    `offset` (Qwen3-Next): scale by (1 + w) in float32 and cast after, as transformers does.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str | None,
+                 offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, heads, D]; cos, sin: [T, 1, D] (half-split layout, as HF `rotate_half`)
+    # x: [B, T, heads, D]; cos, sin: [T, 1, R] (half-split layout, as HF `rotate_half`); R < D: partial rotary
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((_rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -79,13 +93,14 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias, **kw)
+        self.gated = cfg.attn_output_gate  # q_proj emits [query | gate] per head
+        self.q_proj = nn.Linear(h, cfg.num_heads * d * (2 if self.gated else 1), bias=cfg.attention_bias, **kw)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, **kw)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, **kw)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias, **kw)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
@@ -101,7 +116,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # returns: [B, T, H]
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        gate = None
+        if self.gated:
+            q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -121,7 +140,10 @@ class Attention(nn.Module):
             rep = self.num_heads // self.num_kv_heads
             keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, t, -1))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -138,12 +160,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
+        self.is_linear = cfg.is_linear(layer)
+        # This layer's index among layers of its kind: its KV-cache layer or its LinearState layer.
+        self.slot = sum(cfg.is_linear(i) == self.is_linear for i in range(layer))
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, device)
+        else:
+            self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
+        self.mlp = SparseMoeBlock(cfg, dtype, device) if cfg.is_moe(layer) else MLP(cfg, dtype, device)
 
 
 class TargetModel(nn.Module):
@@ -159,8 +187,8 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         # Computed on CPU even for meta models; `.to(device)` after loading moves it.
@@ -170,6 +198,17 @@ class TargetModel(nn.Module):
             inv_freq = inv_freq.to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
+        self.host_experts = None  # MoE: routed experts on the host (moe.HostExperts), set by the loaders
+        self.expert_cache = None  # MoE: the device slots serving them (expert_cache.ExpertCache)
+
+    def set_expert_cache(self, resident: int | None):
+        """MoE only: (re)build the expert cache with `resident` device slots (None = every expert)."""
+        from draftflow.plugins.target.expert_cache import ExpertCache
+
+        self.expert_cache = None  # free the old slots first
+        self.expert_cache = ExpertCache(self.host_experts, resident, self.config.num_experts_per_tok, self.inv_freq.device)
+        self.expert_cache.attach([layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)])
+        return self.expert_cache
 
     def head_weight(self) -> torch.Tensor:
         """The LM-head matrix: [V, H] (the embedding itself when tied)."""
@@ -182,12 +221,15 @@ class TargetModel(nn.Module):
         cache: KVCache,
         logit_rows: int | torch.Tensor | None = None,  # None | count of last rows | [R] or [B, R] indices
         tap_layers: tuple[int, ...] | None = None,
+        linear: LinearState | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a window; return (logits [B, R, V] float32, taps [B, T, len(taps)*H] or None).
 
         Tap L is the hidden state after decoder layer L, i.e. transformers'
         `hidden_states[L+1]`; like transformers, the last layer's tap is taken after the
         final norm. The cache's committed length is not changed: the caller commits.
+        Hybrid models also need `linear` (the Gated DeltaNet states); the window must start
+        at its committed length, and the caller commits it too (`linear.commit`).
         """
         b, t = tokens.shape
         if start_pos > cache.length:
@@ -200,6 +242,12 @@ class TargetModel(nn.Module):
         if bad:
             raise ValueError(f"tap_layers {bad} are outside [0, {self.config.num_layers}); pick existing layers")
         cache.ensure(start_pos + t)
+        recorded = False
+        if self.config.is_hybrid:
+            if linear is None:
+                raise ValueError("this hybrid (qwen3_next) model has linear-attention layers; pass linear=LinearState "
+                                 "(LinearState.allocate(cfg, batch, max_window, dtype, device))")
+            recorded = linear.begin(start_pos, t)
 
         pos = torch.arange(start_pos, start_pos + t, device=tokens.device)  # [T]
         freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -211,10 +259,16 @@ class TargetModel(nn.Module):
             keys = torch.arange(start_pos + t, device=tokens.device)  # [S]
             mask = keys[None, :] <= pos[:, None]  # [T, S]
 
+        if self.host_experts is not None and self.expert_cache is None:
+            self.set_expert_cache(None)  # nobody sized the cache: keep every expert resident
         captured: dict[int, torch.Tensor] = {}
         last = self.config.num_layers - 1
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, start_pos, mask)
+            h = layer.input_layernorm(x)
+            if layer.is_linear:
+                x = x + layer.linear_attn(h, linear, layer.slot, recorded)
+            else:
+                x = x + layer.self_attn(h, cos, sin, cache, layer.slot, start_pos, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in taps and i != last:
                 captured[i] = x

@@ -1,9 +1,11 @@
-"""The `target` node: a Qwen3 / Llama / Qwen2 dense model from a Hugging Face directory or GGUF.
+"""The `target` node: a Qwen3 / Llama / Qwen2 dense model (or a Qwen3-Next hybrid) from a Hugging Face directory or GGUF.
 
 Its manifest is computed from ``config.json`` (or the GGUF header) alone, so the VRAM plan
 and every check run before a weight is read. It owns the KV cache (``static``: one
 preallocated buffer at the planned capacity; ``grow``: chunks on demand, capability
 ``kv.grow``) and, when feature taps are asked for, a feature buffer indexed by position.
+A hybrid target also owns the Gated DeltaNet states with one candidate per verify-window
+position (docs/HYBRID.md), so committing a partially accepted window is a selection.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from draftflow.core.ports import Features, TargetOutput
 from draftflow.core.registry import NodeType
 from draftflow.plugins.target.config import TargetConfig, weight_bytes
 from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 
 PARAMS = (
     ParamSpec("path", "path", help="Hugging Face model directory or .gguf file"),
@@ -30,7 +33,13 @@ PARAMS = (
     ParamSpec("prefill_chunk", "int", 512, "prompt tokens per prefill forward"),
     ParamSpec("grow_chunk", "int", 256, "tokens per allocation in grow mode"),
     ParamSpec("cuda_graphs", "bool", True, "on CUDA with kv_mode static, replay decode/verify windows as CUDA graphs "
-              "(one per window size and KV bucket, captured on first use); false: the eager forward"),
+              "(one per window size and KV bucket, captured on first use); false: the eager forward; "
+              "hybrid (qwen3_next) targets always run eagerly"),
+    ParamSpec("linear_rollback", "str", "select", "hybrid targets: select = keep the recurrent state after every "
+              "window position and pick one on commit; replay = journal the window and re-run the accepted steps",
+              choices=("select", "replay")),
+    ParamSpec("expert_cache", "int", 0, "MoE targets: routed experts kept resident on the device (0 = autosize from "
+              "what vram_budget leaves); pin it so target-only and speculative runs get the same cache (docs/MOE.md)"),
 )
 # Activations of one forward are small next to weights at batch 1; leave room for a window.
 SCRATCH_TOKENS = 512
@@ -60,24 +69,45 @@ def manifest(params, env) -> Manifest:
     bad = [t for t in taps if not 0 <= t < cfg.num_layers]
     if bad:
         raise ModelFormatError(f"tap_layers {bad} are outside the model's layers [0, {cfg.num_layers}); pick existing layers")
-    kv_shape = (cfg.num_layers, 2, 1, KV_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+    kv_shape = (cfg.num_kv_layers, 2, 1, KV_TOKENS, cfg.num_kv_heads, cfg.head_dim)
     owns = [BufferSpec("kv_cache", kv_shape, env.dtype, preallocate=params["kv_mode"] == "static",
-                       doc="K and V per layer, addressed by position")]
+                       doc="K and V per full-attention layer, addressed by position")]
+    if cfg.is_hybrid:
+        owns += linear_buffers(cfg, env.num_draft + 1, env.dtype, params["linear_rollback"])
     provides = {"target.logits", f"kv.{params['kv_mode']}"}
     if taps:
         owns.append(BufferSpec("target_features", (1, KV_TOKENS, len(taps) * cfg.hidden_size), env.dtype,
                                doc="feature taps of every position, concatenated in tap order"))
         provides.add("target.features")
     scratch = SCRATCH_TOKENS * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + SCRATCH_TOKENS * cfg.vocab_size * 4
+    weights, pool = weight_bytes(cfg, dtype), None
+    if cfg.moe_layers:  # routed experts are an elastic pool, not weights (docs/MOE.md)
+        from draftflow.plugins.target.moe import expert_pool_vram
+
+        pool, expert_bytes, moe_scratch = expert_pool_vram(cfg, dtype, params["expert_cache"], SCRATCH_TOKENS)
+        weights, scratch = weights - expert_bytes, scratch + moe_scratch
     return Manifest(
         role="target",
         inputs=(Port("proposal", "proposal", required=False, doc="drafts to verify; absent = target-only decoding"),),
         outputs=(Port("logits", "logits"),) + ((Port("features", "features"),) if taps else ()),
         owns=tuple(owns),
-        vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
+        vram=Vram(weights=weights, scratch=scratch, experts=pool),
         provides=provides,
         max_tokens=cfg.max_position_embeddings,
     )
+
+
+def linear_buffers(cfg: TargetConfig, window: int, dtype: str, mode: str) -> list[BufferSpec]:
+    """The Gated DeltaNet state buffers for verify windows of up to `window` tokens (see linear_state.py)."""
+    out = [BufferSpec("linear_conv", conv_shape(cfg, 1, window), dtype,
+                      doc="per linear layer: last K-1 committed conv inputs, then one window's inputs"),
+           BufferSpec("linear_recurrent", recurrent_shape(cfg, 1, window, mode), "float32",
+                      doc="per linear layer: committed recurrent state" + (", then the state after each window position"
+                                                                           if mode == "select" else ""))]
+    if mode == "replay":
+        out.append(BufferSpec("linear_journal", journal_shape(cfg, 1, window), "float32",
+                              doc="per linear layer and window token: k, v, log-decay, beta to replay on commit"))
+    return out
 
 
 class _Tokenizer:
@@ -113,8 +143,19 @@ class Target(Node):
             self.cache = KVCache.from_static(ctx.buffers["kv_cache"])
         else:
             self.cache = KVCache.growing(self.config, 1, ctx.kv_tokens, ctx.dtype, ctx.device, p["grow_chunk"])
+        self.linear = None
+        if self.config.is_hybrid:
+            b = ctx.buffers
+            self.linear = LinearState(b["linear_conv"], b["linear_recurrent"], ctx.num_draft + 1,
+                                      self.config.linear_conv_kernel - 1, p["linear_rollback"], b.get("linear_journal"))
+        self.expert_counts = {}  # MoE: expert-cache counters at the end of the last cycle (or prefill)
+        if self.config.moe_layers:
+            self.model.set_expert_cache(ctx.resident_experts)
         self.runner = None  # static-shape windows as CUDA graphs; prefill always runs eagerly
-        if p["cuda_graphs"] and p["kv_mode"] == "static" and torch.device(ctx.device).type == "cuda":
+        # The graph runner re-implements attention-only layers; hybrid stacks run the eager forward.
+        # MoE stacks too: expert uploads are host decisions made per window, which a CUDA graph cannot capture.
+        if (p["cuda_graphs"] and p["kv_mode"] == "static" and torch.device(ctx.device).type == "cuda"
+                and not self.config.is_hybrid and not self.config.moe_layers):
             from draftflow.plugins.target.graphs import GraphRunner
 
             self.runner = GraphRunner(self.model, self.cache, ctx.num_draft + 1, self.taps or ())
@@ -124,10 +165,22 @@ class Target(Node):
         yield from self.model.buffers()
         if self.cache.mode == "grow":
             yield self.cache.buffer
+        if self.model.expert_cache is not None:
+            yield from self.model.expert_cache.tensors()
+
+    def cycle_fields(self):
+        """MoE targets: expert-cache hits, misses and bytes uploaded during this cycle's window."""
+        if self.model.expert_cache is None:
+            return {}
+        now = self.model.expert_cache.counters()
+        delta = {k: v - self.expert_counts.get(k, 0) for k, v in now.items()}
+        self.expert_counts = now
+        return delta
 
     def _forward(self, tokens: torch.Tensor, start: int, logit_rows):
         # tokens: [1, T]
-        logits, taps = self.model(tokens, start, self.cache, logit_rows=logit_rows, tap_layers=self.taps)
+        logits, taps = self.model(tokens, start, self.cache, logit_rows=logit_rows, tap_layers=self.taps,
+                                  linear=self.linear)
         if taps is not None:
             self.features[:, start:start + tokens.shape[1]] = taps
         return logits  # [1, R, V]
@@ -136,11 +189,15 @@ class Target(Node):
     def prefill(self, req):
         context = req.tokens[:-1]  # the anchor is fed with the first verify window
         self.cache.crop(0)
+        if self.linear is not None:
+            self.linear.reset()
         chunk = self.ctx.params["prefill_chunk"]
         ids = torch.tensor([context], dtype=torch.long, device=self.ctx.device)  # [1, P-1]
         for start in range(0, len(context), chunk):
             self._forward(ids[:, start:start + chunk], start, 0)
-            self.cache.commit(min(start + chunk, len(context)))
+            self._commit(min(start + chunk, len(context)))
+        if self.model.expert_cache is not None:  # cycle 0 reports its own window, not the prompt's
+            self.expert_counts = self.model.expert_cache.counters()
         return {"features": Features(self.features[:, :len(context)], 0)} if self.taps else {}
 
     @torch.inference_mode()
@@ -158,9 +215,14 @@ class Target(Node):
         logits = self._forward(window, req.position, None)  # [1, K+1, V]
         return {"logits": TargetOutput(logits)}
 
+    def _commit(self, length: int) -> None:
+        self.cache.commit(length)
+        if self.linear is not None:  # select the state after the last accepted token (or replay to it)
+            self.linear.commit(length)
+
     def commit(self, req, info):
         # Rejected cells stay in the cache but past its length; the next window overwrites them.
-        self.cache.commit(len(req.tokens) - 1)
+        self._commit(len(req.tokens) - 1)
         if self.taps:
             return {"features": Features(self.features[:, info.position:len(req.tokens) - 1], info.position)}
         return {}
@@ -171,4 +233,4 @@ def draftflow_register_nodes(registry):
     registry.add_node_type(NodeType(
         name="target", role="target", manifest=manifest, factory=Target, params=PARAMS,
         capabilities=("target.logits", "target.features", "kv.static", "kv.grow"),
-        description="Qwen3 / Llama / Qwen2 dense target from a Hugging Face directory or GGUF file"))
+        description="Qwen3 / Llama / Qwen2 dense or Qwen3-Next hybrid target from a Hugging Face directory or GGUF file"))

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from draftflow.tools.bench_humaneval import main
+import pytest
+import torch
+
+from draftflow.plugins.dflash2.config import DFlash2Config
+from draftflow.plugins.target.hf_loader import load_hf
+from draftflow.tools.bench_humaneval import DEMO, demo_configs, main
+from draftflow.tools.dflash_peer import unavailable
+from draftflow.tools.train.dflash2_recipe import DFlash2Recipe, init_backbone_config, new_drafter
 
 
 def test_benchmark_runs_on_a_few_prompts(tmp_path, capsys):
@@ -14,7 +23,50 @@ def test_benchmark_runs_on_a_few_prompts(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "2 of 2 prompts fit" in printed
     results = json.loads(out.read_text())
-    assert len(results) == 10  # 5 drafter configurations x 2 temperatures
+    assert len(results) == 2 * len(demo_configs("cpu", 3)) >= 10  # every drafter configuration x 2 temperatures
     assert results["target only @ T=0"]["tau"] == 1.0 and results["target only @ T=0"]["speedup"] == 1.0
     assert results["MTP @ T=0"]["tau"] >= 1.0 and results["DFlash @ T=1"]["drafted"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.fixture(scope="module")
+def demo2(tmp_path_factory):
+    """The demo folder plus a DFlash2 drafter started from the demo DFlash one, its selector made non-trivial."""
+    root = tmp_path_factory.mktemp("demo2")
+    for name in ("target", "dflash", "mtp"):
+        (root / name).symlink_to(DEMO / name)
+    target = load_hf(DEMO / "target", "cpu", torch.float32).model
+    cfg = DFlash2Config(init_backbone_config(str(DEMO / "dflash"), target), 2, 16, 16, 8)
+    drafter = new_drafter(cfg, seed=0, init_from=str(DEMO / "dflash"))
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(1))
+    DFlash2Recipe(target, drafter).save(root / "dflash2")
+    return root
+
+
+def test_benchmark_adds_dflash2_rows_and_dflash_reference_rows(demo2, tmp_path, capsys):
+    """With demo/dflash2: both selectors get rows; top-1 drafts as DFlash; dflash's own loop agrees at T=0."""
+    if unavailable():
+        pytest.skip(unavailable())
+    out = tmp_path / "r.json"
+    assert main(["--demo", str(demo2), "--limit", "2", "--max-new-tokens", "16", "--temperatures", "0", "--peer",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert {"DFlash2 @ T=0", "DFlash2 top-1 @ T=0", "dflash ref: DFlash @ T=0", "dflash ref: DFlash2 @ T=0"} <= set(r)
+    same = ("cycles", "drafted", "accepted", "per_position_acceptance")
+    # Identity convolutions on the DFlash backbone: the top-1 ablation is that DFlash drafter.
+    assert [r["DFlash2 top-1 @ T=0"][k] for k in same] == [r["DFlash @ T=0"][k] for k in same]
+    # dflash's loop takes its first token from the prefill, draftflow drafts it: the cycles differ by about one.
+    for ours, ref in (("DFlash", "dflash ref: DFlash"), ("DFlash2", "dflash ref: DFlash2")):
+        mine, theirs = r[f"{ours} @ T=0"], r[f"{ref} @ T=0"]
+        assert theirs["drafted"] > 0 and 1.0 <= theirs["tau"] <= 4.0 and "tokens_per_s" in theirs, ref
+        assert abs(theirs["accepted"] - mine["accepted"]) <= 3 and abs(theirs["cycles"] - mine["cycles"]) <= 4, (ours, r)
+    assert "dflash ref: DFlash2" in capsys.readouterr().out
+
+
+def test_peer_module_imports_neither_dflash_nor_transformers():
+    """Importing the benchmark and its peer module loads no dflash/transformers code (they load only for --peer)."""
+    code = ("import sys, draftflow.tools.bench_humaneval, draftflow.tools.dflash_peer; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

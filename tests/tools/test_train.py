@@ -124,12 +124,6 @@ def test_training_forward_matches_the_node_for_one_anchor(target):
     torch.testing.assert_close(trained, served, rtol=1e-5, atol=1e-5)
 
 
-def test_dflash2_says_not_yet(target, tmp_path):
-    """`train dflash2` is refused with a clear message until the DFlash2 model exists."""
-    with pytest.raises(DraftflowError, match="not available yet"):
-        train_main(["dflash2", "--target", str(target), "--out", str(tmp_path / "x")])
-
-
 def test_missing_mask_token_is_explained(target, tmp_path):
     """A target tokenizer without a mask token asks for --mask-token-id."""
     with pytest.raises(DraftflowError, match="--mask-token-id"):

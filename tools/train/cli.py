@@ -1,14 +1,16 @@
-"""`draftflow train dflash|mtp`: train a drafter against a frozen target.
+"""`draftflow train dflash|dflash2|mtp`: train a drafter against a frozen target.
 
-    draftflow train dflash --target TARGET --out DRAFTER_DIR [--gguf DRAFTER.gguf] [--steps 2000]
-    draftflow train mtp    --target TARGET --out MTP_DIR
+    draftflow train dflash  --target TARGET --out DRAFTER_DIR [--gguf DRAFTER.gguf] [--steps 2000]
+    draftflow train dflash2 --target TARGET --out DRAFTER_DIR [--init-from DFLASH_DIR] [--selector-top-k 16]
+    draftflow train mtp     --target TARGET --out MTP_DIR
 
 TARGET is any model the target node loads (Hugging Face directory or .gguf); its
 features are computed on the fly from text (`--data` files or folders; default: the
-Python sources of this machine, tests excluded). The output loads in the `dflash` node
-(`params.path`) or the `mtp` node (`params.path`). Every `--eval-every` steps a held-out
-acceptance estimate is printed (tau and acceptance of one greedy draft cycle per held-out
-window, through each node's own inference code). `--resume` continues from `--checkpoint`.
+Python sources of this machine, tests excluded). The output loads in the `dflash`,
+`dflash2` or `mtp` node (`params.path`). Every `--eval-every` steps a held-out acceptance
+estimate is printed (tau and acceptance of one greedy draft cycle per held-out window,
+through each node's own inference code; for DFlash2 both with the learned selector and,
+as `*_top1`, with the top-1 ablation). `--resume` continues from `--checkpoint`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from draftflow.core.errors import DraftflowError
+from draftflow.core.errors import DraftflowError, ModelFormatError
 
 MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 
@@ -53,15 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="training state file (default: OUT/checkpoint.pt)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--summary", help="also write the run's numbers to this JSON file")
-    d = p.add_argument_group("dflash")
-    d.add_argument("--layers", type=int, default=2, help="draft layers")
-    d.add_argument("--block-size", type=int, default=8, help="B: anchor + B-1 drafts")
+    d = p.add_argument_group("dflash and dflash2")
+    d.add_argument("--layers", type=int, help="draft layers (default 2)")
+    d.add_argument("--block-size", type=int, help="B: anchor + B-1 drafts (default 8)")
     d.add_argument("--anchors", type=int, default=16, help="random anchors (blocks) per sequence")
     d.add_argument("--gamma", type=float, help="loss decay exp(-(k-1)/gamma); default 7/5/4 for B 16/10/8")
     d.add_argument("--tap-layers", help="target layers to read, e.g. 1,2,3 (default: z-lab's rule, or 1..L-1 for L < 8)")
     d.add_argument("--mask-token-id", type=int, help=f"default: the tokenizer's {' / '.join(MASK_NAMES[:2])} token")
     d.add_argument("--intermediate", type=int, help="draft MLP width (default: the target's)")
     d.add_argument("--gguf", help="also write the drafter as a GGUF file (llama.cpp names)")
+    s = p.add_argument_group("dflash2")
+    s.add_argument("--init-from", help="start the backbone from this trained DFlash (v1) drafter (HF directory or "
+                   ".gguf); its shape replaces --layers, --block-size, --tap-layers, --mask-token-id, --intermediate")
+    s.add_argument("--conv-kernel-size", type=int, default=2, help="K: taps of the dynamic convolutions")
+    s.add_argument("--conv-group-size", type=int, default=16, help="G: channels per dynamic coefficient (divides hidden)")
+    s.add_argument("--selector-rank", type=int, default=256, help="R: codebook width")
+    s.add_argument("--selector-top-k", type=int, default=16, help="M: candidates per draft row")
+    s.add_argument("--selector-alpha", type=float, default=1.0, help="weight of the selector loss")
+    s.add_argument("--selector-warmup", type=float, default=0.0005, help="share of the run with selector weight 0")
+    s.add_argument("--selector-ramp", type=float, default=0.0005, help="share of the run ramping the weight to alpha")
+    s.add_argument("--selector-stop-gradient", action="store_true",
+                   help="the selector loss trains only the selector (not the unary logits and hidden states)")
     m = p.add_argument_group("mtp")
     m.add_argument("--num-draft", type=int, default=4, help="chained drafts per cycle for the held-out estimate")
     return p
@@ -118,9 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     from draftflow.tools.train.loop import TrainOptions, init_weights, train
 
     a = build_parser().parse_args(argv)
-    if a.recipe == "dflash2":
-        raise DraftflowError("train dflash2 is not available yet: the DFlash2 model is still being written; "
-                             "train a DFlash drafter with `draftflow train dflash` for now")
     torch.manual_seed(a.seed)
     out = Path(a.out)
     loaded = _load_target(a.target, a.device)
@@ -138,13 +149,25 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.recipe == "dflash":
         from draftflow.plugins.dflash.model import DFlashModel
-        from draftflow.tools.train.dflash_recipe import DFlashRecipe, new_config
+        from draftflow.tools.train.dflash_recipe import DFlashRecipe
 
-        cfg = new_config(target, a.layers, a.block_size, _tap_layers(a.tap_layers, tcfg.num_layers, a.layers),
-                         _mask_id(a, loaded.tokenizer, tcfg.vocab_size), a.intermediate)
-        drafter = DFlashModel(cfg, device=a.device)
+        drafter = DFlashModel(_backbone_config(a, loaded), device=a.device)
         init_weights(drafter, seed=a.seed)
         recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, a.labels, a.seed)
+    elif a.recipe == "dflash2":
+        from draftflow.plugins.dflash2.config import DFlash2Config
+        from draftflow.tools.train.dflash2_recipe import DFlash2Recipe, init_backbone_config, new_drafter
+
+        base = init_backbone_config(a.init_from, target) if a.init_from else _backbone_config(a, loaded)
+        _check_shape_flags(a, base)
+        try:
+            cfg = DFlash2Config(base, a.conv_kernel_size, a.conv_group_size, a.selector_rank, a.selector_top_k)
+        except ModelFormatError as exc:  # its fix names config keys; the CLI user sets them with flags
+            raise DraftflowError(f"{exc} (the dflash_config keys come from --conv-kernel-size, --conv-group-size, "
+                                 "--selector-rank and --selector-top-k)") from None
+        drafter = new_drafter(cfg, seed=a.seed, init_from=a.init_from, device=a.device)
+        recipe = DFlash2Recipe(target, drafter, a.anchors, a.gamma, a.labels, a.seed, a.selector_alpha,
+                               a.selector_warmup, a.selector_ramp, a.selector_stop_gradient)
     else:
         from draftflow.tools.train.mtp_recipe import MtpRecipe, new_head
 
@@ -173,14 +196,47 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}: step {result.steps}, held-out " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     if a.summary:
         losses = result.losses
-        Path(a.summary).write_text(json.dumps({
+        summary = {
             "recipe": a.recipe, "argv": list(argv or sys.argv[1:]), "parameters": trainable, "steps": result.steps,
             "resumed_from": result.start_step, "train_seconds": round(result.elapsed_s),
             "wall_seconds": round(time.perf_counter() - t0), "train_tokens": int(data.train.numel()),
-            "first_loss": round(sum(v for _, v in losses[:10]) / max(1, len(losses[:10])), 4),
-            "last_loss": round(sum(v for _, v in losses[-10:]) / max(1, len(losses[-10:])), 4),
-            "evaluations": result.evaluations}, indent=2) + "\n")
+            "first_loss": _mean(v for _, v in losses[:10]), "last_loss": _mean(v for _, v in losses[-10:]),
+            "evaluations": result.evaluations}
+        if result.parts:  # e.g. DFlash2: token_loss, selector_loss, recall (means of the first / last 10 steps)
+            summary["first_parts"] = {k: _mean(p[k] for _, p in result.parts[:10]) for k in result.parts[0][1]}
+            summary["last_parts"] = {k: _mean(p[k] for _, p in result.parts[-10:]) for k in result.parts[0][1]}
+        Path(a.summary).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return round(sum(values) / max(1, len(values)), 4)
+
+
+def _backbone_config(a, loaded):
+    """A fresh DFlash backbone config from the shape flags (z-lab's defaults: 2 layers, block 8)."""
+    from draftflow.tools.train.dflash_recipe import new_config
+
+    layers, tcfg = a.layers or 2, loaded.config
+    return new_config(loaded.model, layers, a.block_size or 8, _tap_layers(a.tap_layers, tcfg.num_layers, layers),
+                      _mask_id(a, loaded.tokenizer, tcfg.vocab_size), a.intermediate)
+
+
+def _check_shape_flags(a, base) -> None:
+    """With --init-from the backbone's shape is the given drafter's; a disagreeing shape flag is a mistake."""
+    if not a.init_from:
+        return
+    given = {"--layers": (a.layers, base.num_layers), "--block-size": (a.block_size, base.block_size),
+             "--mask-token-id": (a.mask_token_id, base.mask_token_id),
+             "--intermediate": (a.intermediate, base.intermediate_size),
+             "--tap-layers": (_tap_layers(a.tap_layers, base.num_target_layers, 1) if a.tap_layers else None,
+                              base.target_layer_ids)}
+    bad = [f"{flag} {mine} (it has {theirs})" for flag, (mine, theirs) in given.items()
+           if mine is not None and mine != theirs]
+    if bad:
+        raise DraftflowError(f"--init-from {a.init_from} fixes the backbone's shape, but " + ", ".join(bad)
+                             + "; drop those flags or pass matching values")
 
 
 def _config_dict(cfg) -> dict:

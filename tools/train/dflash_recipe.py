@@ -10,12 +10,15 @@ greedy predictions at each position (`labels="target"`, distillation on raw text
 
 The forward reuses the drafter's modules and the same RoPE, norms and projections as the
 inference path in `plugins/dflash/model.py`; `tests/tools/test_train.py` pins that one
-anchor here gives exactly the node's drafts.
+anchor here gives exactly the node's drafts. A layer's optional sublayer wrappers
+(DFlash2's convolutions, `attention_conv` / `mlp_conv`) run on each block's rows alone,
+as at inference, so `dflash2_recipe.py` trains through this same forward.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +80,7 @@ def block_hidden(drafter: DFlashModel, features: torch.Tensor, block: torch.Tens
         attn = layer.self_attn
         if cfg.layer_type(i) == "sliding_attention":
             raise NotImplementedError("training drafters with sliding-window layers is not supported")
-        h = layer.input_layernorm(x)
+        h, attn_state = _prepare(layer.attention_conv, layer.input_layernorm(x), n, width)
         q = attn.q_norm(attn.q_proj(h).view(bsz, n * width, attn.num_heads, attn.head_dim))
         q = _rotate(q, cos_b, sin_b)
         k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)  # [B, S, KVH, D]
@@ -86,9 +89,35 @@ def block_hidden(drafter: DFlashModel, features: torch.Tensor, block: torch.Tens
         values = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=masks[cfg.layer_is_causal(i)],
                                              enable_gqa=attn.num_heads != attn.num_kv_heads)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(bsz, n * width, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + _finish(layer.attention_conv, attn.o_proj(out.transpose(1, 2).reshape(bsz, n * width, -1)), attn_state)
+        u, mlp_state = _prepare(layer.mlp_conv, layer.post_attention_layernorm(x), n, width)
+        x = x + _finish(layer.mlp_conv, layer.mlp(u), mlp_state)
     return drafter.norm(x)
+
+
+def _prepare(conv, u: torch.Tensor, n: int, width: int):
+    """A sublayer wrapper's `prepare` on every block separately (no state crosses blocks); identity without one."""
+    # u: [B, N*W, H]; returns [B, N*W, H] and the wrapper's state (None without a wrapper)
+    if conv is None:
+        return u, None
+    out, state = conv.prepare(u.reshape(u.shape[0] * n, width, u.shape[-1]))
+    return out.reshape_as(u), state
+
+
+def _finish(conv, y: torch.Tensor, state) -> torch.Tensor:
+    # y: [B, N*W, H]; state from `_prepare`, per block; returns [B, N*W, H]
+    if conv is None:
+        return y
+    return conv.finish(y.reshape(state.shape[0], state.shape[1], y.shape[-1]), state).reshape_as(y)
+
+
+class Blocks(NamedTuple):
+    """One training forward: the draft rows of every block and what they are scored against."""
+
+    hidden: torch.Tensor  # [B, N, W-1, H] final-normed drafter hidden states of rows 1..W-1
+    logits: torch.Tensor  # [B*N*(W-1), V] float32 unary logits (target head, multiplier, softcap)
+    labels: torch.Tensor  # [B, N, W-1] the token each row should draft
+    anchors: torch.Tensor  # [B, N] the anchor token of each block (row 1's predecessor)
 
 
 class DFlashRecipe:
@@ -104,6 +133,8 @@ class DFlashRecipe:
         self.generator = torch.Generator().manual_seed(seed + 17)
         k = torch.arange(1, self.config.block_size, dtype=torch.float32)
         self.row_weight = torch.exp(-(k - 1) / self.gamma)  # [W-1]
+        # Named parts of the last `loss` (detached), logged by the training loop; DFlash has only the one loss.
+        self.loss_parts: dict[str, torch.Tensor] = {}
 
     def _anchors(self, bsz: int, seq: int) -> torch.Tensor:
         width = self.config.block_size
@@ -116,7 +147,8 @@ class DFlashRecipe:
         x = F.embedding(tokens, self.target.embed_tokens.weight)
         return x * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else x
 
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_blocks(self, tokens: torch.Tensor) -> Blocks:
+        """Random anchors, one drafter forward over all their blocks, unary logits and labels."""
         # tokens: [B, S]
         cfg, width = self.config, self.config.block_size
         bsz, seq = tokens.shape
@@ -132,14 +164,27 @@ class DFlashRecipe:
         out = draft_logits(hidden.reshape(1, -1, hidden.shape[-1]), self.target.head_weight(), cfg)  # [1, B*N*(W-1), V]
         at = anchors[:, :, None] + torch.arange(1, width, device=tokens.device)  # [B, N, W-1] label positions
         source = tokens if self.labels == "data" else torch.cat([tokens[:, :1], logits.argmax(-1)[:, :-1]], 1)
-        labels = source.gather(1, at.flatten(1)).flatten()  # [B*N*(W-1)]
-        ce = F.cross_entropy(out[0], labels, reduction="none").view(bsz, n, width - 1)
-        w = self.row_weight.to(ce.device).expand_as(ce)
-        return (ce * w).sum() / w.sum()
+        labels = source.gather(1, at.flatten(1)).view(bsz, n, width - 1)
+        return Blocks(hidden, out[0], labels, block[:, :, 0])
 
-    def propose(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> torch.Tensor:
-        """K drafts for the anchor prefix[-1], through the inference path (add_context + one block)."""
-        # prefix: [1, P]; feats: [1, P, n_taps*H] (the anchor's own row is not used); returns [K]
+    def token_loss(self, blocks: Blocks) -> torch.Tensor:
+        """Position-decayed cross-entropy of the unary logits."""
+        ce = F.cross_entropy(blocks.logits, blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
+        return self.decayed_mean(ce)
+
+    def decayed_mean(self, per_row: torch.Tensor) -> torch.Tensor:
+        """Mean over rows with weight exp(-(k-1)/gamma) for draft row k."""
+        # per_row: [B, N, W-1]
+        w = self.row_weight.to(per_row.device).expand_as(per_row)
+        return (per_row * w).sum() / w.sum()
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [B, S]
+        return self.token_loss(self.forward_blocks(tokens))
+
+    def draft_rows(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and unary logits of K draft rows after the anchor prefix[-1], through the inference path."""
+        # prefix: [1, P]; feats: [1, P, n_taps*H] (the anchor's own row is not used); returns [1, K, H], [1, K, V]
         cfg, p = self.config, prefix.shape[1]
         dt = feats.dtype
         cache = KVCache.from_static(torch.zeros(cfg.num_layers, 2, 1, p + k + 1, cfg.num_kv_heads, cfg.head_dim,
@@ -147,22 +192,36 @@ class DFlashRecipe:
         self.module.add_context(feats[:, : p - 1], 0, cache)
         block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=prefix.device)
         block[0, 0] = prefix[0, -1]
-        hidden = self.module(self._embed(block), cache)  # [1, K+1, H]
-        return draft_logits(hidden[:, 1:], self.target.head_weight(), cfg).argmax(-1)[0]
+        hidden = self.module(self._embed(block), cache)[:, 1:]  # [1, K, H]
+        return hidden, draft_logits(hidden, self.target.head_weight(), cfg)
+
+    def propose(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> torch.Tensor:
+        """K greedy drafts for the anchor prefix[-1], as the dflash node drafts them."""
+        # prefix: [1, P]; feats: [1, P, n_taps*H]; returns [K]
+        return self.draft_rows(prefix, feats, k)[1].argmax(-1)[0]
 
     def evaluate(self, windows: list[torch.Tensor]) -> dict[str, float]:
         device = self.target.norm.weight.device  # held-out windows live on the host
-        losses = [float(self.loss(w[None].to(device))) for w in windows]
+        totals: dict[str, float] = {}
+        for w in windows:
+            loss = self.loss(w[None].to(device))
+            for name, value in {"loss": loss, **self.loss_parts}.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
         out = estimate_acceptance(self.target, windows, self.config.target_layer_ids, self.config.block_size - 1,
                                   self.propose)
-        return {"loss": sum(losses) / max(1, len(losses)), **out}
+        return {name: total / max(1, len(windows)) for name, total in totals.items()} | out
+
+    def hf_config(self) -> dict:
+        return self.config.to_hf_dict()
+
+    def artifact_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> float32 tensor (the module's names are the z-lab names)."""
+        return {n: t.detach().float().contiguous() for n, t in self.module.state_dict().items()}
 
     def save(self, out: Path) -> None:
         """A z-lab layout directory: config.json + model.safetensors (no embedding, no LM head)."""
         import json
 
         out.mkdir(parents=True, exist_ok=True)
-        state = {n: t.detach().float().contiguous() for n, t in self.module.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
-
+        save_file(self.artifact_tensors(), str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(self.hf_config(), indent=2) + "\n")

@@ -3,7 +3,11 @@
 A recipe is an object with
 - `module`: the trainable `nn.Module` (only its parameters with `requires_grad` are optimised);
 - `loss(tokens [B, S]) -> scalar tensor`;
-- `evaluate(windows: list[Tensor]) -> dict[str, float]` (held-out numbers, printed as training goes).
+- `evaluate(windows: list[Tensor]) -> dict[str, float]` (held-out numbers, printed as training goes);
+and optionally
+- `loss_parts: dict[str, Tensor]`: named parts of the last loss, recorded every step (`TrainResult.parts`);
+- `progress: float`: set to the run's completed share before each `loss` (for loss-weight schedules);
+- `no_weight_decay: set[str]`: parameter names AdamW must not decay (e.g. identity-initialised kernels).
 Writing the finished artifact is the caller's (`cli.py`) business.
 
 The learning rate warms up linearly and then follows a cosine to zero over the run; with a
@@ -97,6 +101,7 @@ class TrainResult:
     elapsed_s: float
     losses: list[tuple[int, float]]
     evaluations: list[tuple[int, dict]]
+    parts: list[tuple[int, dict]] = attrs.Factory(list)  # (step, {name: value}) when the recipe has loss_parts
 
 
 class Progress:
@@ -135,12 +140,14 @@ def _autocast(opts: TrainOptions):
 def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callable[[str], None] | None = None,
           stream=None) -> TrainResult:
     """Run (or resume) the optimisation; write checkpoints; return the loss and evaluation history."""
-    params = [p for p in recipe.module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    named = [(n, p) for n, p in recipe.module.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    keep = set(getattr(recipe, "no_weight_decay", ()))
+    decay = [p for n, p in named if p.dim() >= 2 and n not in keep]
+    no_decay = [p for n, p in named if p.dim() < 2 or n in keep]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
-    step, elapsed, losses, evaluations = 0, 0.0, [], []
+    step, elapsed, losses, evaluations, parts = 0, 0.0, [], [], []
     if opts.resume and opts.checkpoint and Path(opts.checkpoint).exists():
         state = torch.load(opts.checkpoint, map_location=opts.device, weights_only=False)
         recipe.module.load_state_dict(state["module"])
@@ -150,6 +157,7 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         if state.get("recipe_rng") is not None and hasattr(recipe, "generator"):
             recipe.generator.set_state(state["recipe_rng"])
         step, elapsed, losses, evaluations = state["step"], state["elapsed"], state["losses"], state["evaluations"]
+        parts = state.get("parts", [])
     start_step, start_elapsed = step, elapsed
     progress = Progress(opts.steps, label, stream)
     say = log or progress.note
@@ -176,7 +184,7 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         torch.save({"step": step, "elapsed": elapsed, "module": recipe.module.state_dict(), "optimizer": opt.state_dict(),
                     "rng": torch.get_rng_state(), "sampler_rng": sampler.generator.get_state(),
                     "recipe_rng": recipe.generator.get_state() if hasattr(recipe, "generator") else None, "losses": losses,
-                    "evaluations": evaluations}, opts.checkpoint)
+                    "evaluations": evaluations, "parts": parts}, opts.checkpoint)
 
     recipe.module.train()
     smooth = None
@@ -186,6 +194,8 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         for g in opt.param_groups:
             g["lr"] = opts.lr * factor
         tokens = sampler.batch(opts.batch_size).to(opts.device)  # [B, S]
+        if hasattr(recipe, "progress"):
+            recipe.progress = fraction()
         with _autocast(opts):
             loss = recipe.loss(tokens)
         opt.zero_grad(set_to_none=True)
@@ -196,6 +206,8 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         elapsed += time.perf_counter() - t0
         value = float(loss.detach())
         losses.append((step, value))
+        if getattr(recipe, "loss_parts", None):
+            parts.append((step, {k: float(v) for k, v in recipe.loss_parts.items()}))
         smooth = value if smooth is None else 0.9 * smooth + 0.1 * value
         rate = (step - start_step) / max(1e-9, elapsed - start_elapsed)
         left = min((opts.steps - step) / max(rate, 1e-9), (opts.time_budget_s - elapsed) if opts.time_budget_s else math.inf)
@@ -207,7 +219,7 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
     if not evaluations or evaluations[-1][0] != step:
         evaluate()
     save()
-    return TrainResult(start_step, step, elapsed, losses, evaluations)
+    return TrainResult(start_step, step, elapsed, losses, evaluations, parts)
 
 
 # --- held-out acceptance -------------------------------------------------------------------------
@@ -229,21 +241,29 @@ def greedy_continuation(target: TargetModel, prefix: torch.Tensor, n: int, taps:
 
 
 def estimate_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: tuple[int, ...], num_draft: int,
-                        propose: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> dict[str, float]:
+                        propose: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor | dict[str, torch.Tensor]]
+                        ) -> dict[str, float]:
     """Greedy agreement of drafts with the target's own continuation, one cycle per held-out window.
 
     The prefix ends at the window's midpoint (the anchor); `propose(prefix [1, P], taps [1, P, *], K)` returns
-    the drafter's K tokens exactly as its graph node would. tau = 1 + mean accepted prefix length.
+    the drafter's K tokens exactly as its graph node would. tau = 1 + mean accepted prefix length. `propose`
+    may instead return several named draft sets from one forward (`{"": drafts, "top1": other}`); the numbers
+    of a named set get its name as a suffix (`tau_top1`).
     """
-    accepted = []
+    accepted: dict[str, list[int]] = {}
     for w in windows:
         p = max(2, w.numel() // 2)
         prefix = w[:p][None].to(target.norm.weight.device)  # [1, P]
         truth, feats = greedy_continuation(target, prefix, num_draft, taps)
-        drafts = propose(prefix, feats, num_draft)  # [K]
-        n = 0
-        while n < num_draft and int(drafts[n]) == int(truth[n]):
-            n += 1
-        accepted.append(n)
-    mean = sum(accepted) / max(1, len(accepted))
-    return {"tau": 1.0 + mean, "acceptance": mean / num_draft, "first_token": sum(a > 0 for a in accepted) / max(1, len(accepted))}
+        drafted = propose(prefix, feats, num_draft)  # [K] or {name: [K]}
+        for name, drafts in (drafted if isinstance(drafted, dict) else {"": drafted}).items():
+            n = 0
+            while n < num_draft and int(drafts[n]) == int(truth[n]):
+                n += 1
+            accepted.setdefault(name, []).append(n)
+    out = {}
+    for name, counts in accepted.items():
+        mean, suffix = sum(counts) / max(1, len(counts)), f"_{name}" if name else ""
+        out |= {f"tau{suffix}": 1.0 + mean, f"acceptance{suffix}": mean / num_draft,
+                f"first_token{suffix}": sum(a > 0 for a in counts) / max(1, len(counts))}
+    return out or {"tau": 1.0, "acceptance": 0.0, "first_token": 0.0}

@@ -1,0 +1,255 @@
+"""MoE expert cache at Qwen3-30B-A3B shape (random bf16 weights): tokens/s and hit rate against the resident fraction.
+
+    python3 benchmarks/gpu_moe.py --out results.json             # H200: 48 layers x 128 experts, ~61 GB bf16
+    python3 benchmarks/gpu_moe.py --tiny --device cpu            # a CPU smoke run at toy shapes
+
+Nothing is written to disk: the non-expert weights are drawn on the device and the 6,144
+routed experts straight into pinned host memory. For each resident fraction the VRAM
+budget is set so that the planner (core/budget.py, the same code `draftflow check` runs)
+leaves that fraction of the experts resident *with* the DFlash drafter in the graph; the
+table shows the plan's resident counts (with and without the drafter) next to what ran,
+and the plan's bytes next to the measured peak. Three runs per fraction: target-only at
+the drafter graph's count (pinned: the comparable pair), target + DFlash at that count,
+and target-only autosized (the drafter's bytes given back to experts).
+
+The drafter has random weights too, so its acceptance is meaningless (near 0): the point
+is its cost, in experts and in time per cycle, not a speedup. A random router routes
+close to uniformly, so the hit rate is about the resident fraction (no locality to
+exploit); real checkpoints route with skew and hit more. Finally it times one miss
+served by upload (pinned host -> device) against the same expert computed on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                     tie_word_embeddings=False, attention_bias=False, hidden_act="silu", num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[])
+# A DFlash-b16-shaped drafter at the 30B-A3B width (assumed shape: 5 layers, taps spread over the 48 layers).
+DRAFTER = dict(architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
+               intermediate_size=6144, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+               rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+               attention_bias=False, hidden_act="silu", block_size=16, num_target_layers=48,
+               dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]})
+TINY = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32}
+TINY_DRAFTER = {**DRAFTER, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "block_size": 6,
+                "num_target_layers": 4, "dflash_config": {"mask_token_id": 511, "target_layer_ids": [1, 2]}}
+DTYPE = torch.bfloat16
+
+
+def plans(tcfg_d: dict, dcfg_d: dict, device: str, context: int, num_draft: int):
+    """Target and drafter manifests from config files alone (as `draftflow check` computes them)."""
+    from draftflow.core.plan import Env
+    from draftflow.plugins.dflash.plugin import manifest as dflash_manifest
+    from draftflow.plugins.target.plugin import PARAMS
+    from draftflow.plugins.target.plugin import manifest as target_manifest
+
+    root = Path(tempfile.mkdtemp(prefix="gpu_moe_"))
+    for name, d in (("target", tcfg_d), ("drafter", dcfg_d)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(d))
+    env = Env(device, "bfloat16", num_draft, context)
+    params = {p.name: p.default for p in PARAMS if p.name != "path"}
+    taps = list(dcfg_d["dflash_config"]["target_layer_ids"])
+    with_taps = target_manifest({**params, "path": str(root / "target"), "tap_layers": taps}, env)
+    plain = target_manifest({**params, "path": str(root / "target"), "tap_layers": []}, env)
+    return with_taps, plain, dflash_manifest({"path": str(root / "drafter"), "cuda_graphs": False}, env)
+
+
+def predict(manifests: dict, budget: int | None, context: int):
+    from draftflow.core.budget import plan_vram
+
+    plan, problems = plan_vram(manifests, budget, context)
+    if problems:
+        raise SystemExit(f"plan problems: {problems}")
+    return plan
+
+
+def build(cfg, device: str, seed: int):
+    """TargetModel with N(0, 0.02) weights on `device` and routed experts in (pinned) host memory."""
+    from draftflow.plugins.target.model import TargetModel
+    from draftflow.plugins.target.moe import HostExperts
+
+    model = TargetModel(cfg, dtype=DTYPE, device=device).eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
+    n, e, i, h = len(cfg.moe_layers), cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    pin = device == "cuda"
+    gate_up = torch.empty((n, e, 2 * i, h), dtype=DTYPE, pin_memory=pin)
+    down = torch.empty((n, e, h, i), dtype=DTYPE, pin_memory=pin)
+    for row in range(n):  # drawn on the device layer by layer, then copied to the host
+        gate_up[row].copy_(torch.empty((e, 2 * i, h), dtype=DTYPE, device=device).normal_(0.0, 0.02, generator=gen))
+        down[row].copy_(torch.empty((e, h, i), dtype=DTYPE, device=device).normal_(0.0, 0.02, generator=gen))
+    model.host_experts = HostExperts(tuple(cfg.moe_layers), gate_up, down)
+    return model
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, seed: int) -> dict:
+    """Prefill `prompt` random tokens, then greedy-decode `tokens` (target-only when drafter is None)."""
+    from draftflow.plugins.dflash.model import draft_logits
+    from draftflow.plugins.target.kv_cache import KVCache, static_shape
+
+    cfg = model.config
+    kv = KVCache.from_static(torch.zeros(static_shape(cfg, 1, prompt + tokens + 32), dtype=DTYPE, device=device))
+    taps = tuple(dcfg.target_layer_ids) if drafter is not None else None
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed)).to(device)
+    embed, head = model.embed_tokens.weight, model.head_weight()
+    cache = model.expert_cache
+    with torch.inference_mode():
+        _, feats = model(ids[:, :-1], 0, kv, logit_rows=0, tap_layers=taps)
+        kv.commit(prompt - 1)
+        if drafter is not None:
+            dkv.crop(0)
+            drafter.add_context(feats, 0, dkv)
+        anchor, pos, done, cycles, accepted = ids[:, -1:], prompt - 1, 0, 0, 0
+        sync(device)
+        before, start = cache.counters(), time.perf_counter()
+        while done < tokens:
+            window = anchor
+            if drafter is not None:
+                block = torch.full((1, dcfg.block_size), dcfg.mask_token_id, dtype=torch.long, device=device)
+                block[:, :1] = anchor
+                hidden = drafter(torch.nn.functional.embedding(block, embed), dkv)[:, 1:]  # [1, K, H]
+                window = torch.cat([anchor, draft_logits(hidden, head, dcfg).argmax(-1)], dim=1)  # [1, K+1]
+            logits, feats = model(window, pos, kv, tap_layers=taps)  # [1, W, V]
+            best = logits[0].argmax(-1)  # [W]
+            run = (window[0, 1:] == best[:-1]).int().cumprod(0).sum()[None]  # accepted drafts
+            host = torch.cat([run, best]).tolist()  # the cycle's one sync
+            acc = host[0]
+            kv.commit(pos + acc + 1)
+            if drafter is not None:
+                dkv.crop(pos)
+                drafter.add_context(feats[:, :acc + 1], pos, dkv)
+            anchor = torch.tensor([[host[1 + acc]]], device=device)
+            pos, done, cycles, accepted = pos + acc + 1, done + acc + 1, cycles + 1, accepted + acc
+        sync(device)
+        elapsed = time.perf_counter() - start
+    after = cache.counters()
+    hits, misses = (after[k] - before[k] for k in ("expert_hits", "expert_misses"))
+    return {"tokens_per_s": done / elapsed, "tokens": done, "cycles": cycles, "accepted": accepted,
+            "hit_rate": hits / max(hits + misses, 1), "uploads_per_token": misses / done,
+            "upload_gb": (after["expert_upload_bytes"] - before["expert_upload_bytes"]) / 1e9}
+
+
+def miss_costs(model, device: str) -> dict:
+    """One expert served by upload vs computed on the CPU (activations both ways), in ms."""
+    import torch.nn.functional as F
+
+    cache, host = model.expert_cache, model.host_experts
+    res = {}
+    reps = 20
+
+    def timed(fn) -> float:
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t) * 1e3 / reps
+
+    res["upload_ms"] = timed(lambda: cache.upload(0, 1, 0))
+    res["upload_gb_s"] = cache.bytes_per_expert / res["upload_ms"] / 1e6
+    i = model.config.moe_intermediate_size
+    for t in (1, 16):
+        x = torch.randn(t, model.config.hidden_size, dtype=DTYPE, device=device)
+
+        def cpu_expert():
+            xc = x.to("cpu")
+            g, u = F.linear(xc, host.gate_up[0, 1]).split(i, dim=-1)
+            return F.linear(F.silu(g) * u, host.down[0, 1]).to(device)
+
+        res[f"cpu_compute_{t}tok_ms"] = timed(cpu_expert)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="toy shapes (a smoke test; use with --device cpu)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--fractions", default="1.0,0.5,0.25,0.1", help="resident fractions of the experts to sweep")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
+    p.add_argument("--context", type=int, default=4096, help="max_context of the planned graph (sizes the KV cache)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    from draftflow.plugins.dflash.config import DFlashConfig, kv_shape
+    from draftflow.plugins.dflash.model import DFlashModel
+    from draftflow.plugins.target.config import TargetConfig
+
+    tcfg_d, dcfg_d = (TINY, TINY_DRAFTER) if a.tiny else (QWEN3_30B_A3B, DRAFTER)
+    cfg, dcfg = TargetConfig.from_hf_dict(tcfg_d, "qwen3-30b-a3b-shape"), DFlashConfig.from_hf_dict(dcfg_d, "dflash-shape")
+    dev = a.device
+    with_taps, plain, drafter_m = plans(tcfg_d, dcfg_d, dev, a.context, dcfg.block_size - 1)
+    free = predict({"target": with_taps, "drafter": drafter_m}, None, a.context)
+    per, total = free.experts.bytes_per_expert, free.experts.total
+    used = sum(r.total - r.experts for r in free.rows)
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+           "experts": total, "bytes_per_expert": per, "runs": []}
+    model = build(cfg, dev, seed=0)
+    drafter = DFlashModel(dcfg, dtype=DTYPE, device=dev).eval()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    with torch.no_grad():
+        for name, prm in sorted(drafter.named_parameters()):
+            prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
+    dkv_buf = torch.zeros(kv_shape(dcfg, a.prompt + a.tokens + 64), dtype=DTYPE, device=dev)
+    from draftflow.plugins.target.kv_cache import KVCache
+
+    dkv = KVCache.from_static(dkv_buf)
+    print(f"MoE expert cache, {res['device']}, torch {res['torch']}: {total} experts of {per / 2**20:.2f} MiB, "
+          f"{len(cfg.moe_layers)} MoE layers, top-{cfg.num_experts_per_tok}; random bf16 weights; prompt {a.prompt}, "
+          f"{a.tokens} tokens per run")
+    head = f"{'frac':>5} {'plan spec':>9} {'plan t-only':>11} {'drafter':>7}  {'run':<20}{'resident':>9}{'tok/s':>9}" \
+           f"{'hit rate':>9}{'up/tok':>8}{'plan GiB':>9}{'peak GiB':>9}"
+    print(head)
+    for frac in (float(f) for f in a.fractions.split(",")):
+        # Never below top-k per MoE layer (the planner would reject it): tiny shapes clamp 0.1 up.
+        budget = used + max(round(frac * total), len(cfg.moe_layers) * cfg.num_experts_per_tok) * per + per // 2
+        spec_plan = predict({"target": with_taps, "drafter": drafter_m}, budget, a.context)
+        only_plan = predict({"target": plain}, budget, a.context)
+        r_spec, r_only = spec_plan.experts.resident, only_plan.experts.resident
+        cost = dict(spec_plan.experts.costs).get("drafter", 0)
+        runs = [("target-only @spec", r_spec, None, spec_plan), ("dflash (random)", r_spec, drafter, spec_plan)]
+        if r_only != r_spec:
+            runs.append(("target-only autosized", r_only, None, only_plan))
+        for label, resident, dr, plan in runs:
+            model.set_expert_cache(resident)
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            out = decode(model, dcfg, dr, dkv, dev, a.prompt, a.tokens, seed=2)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
+            row = {"fraction": frac, "run": label, "resident": resident, "plan_resident_spec": r_spec,
+                   "plan_resident_target_only": r_only, "drafter_cost_experts": cost, "budget": budget,
+                   "plan_gib": plan.total / 2**30, "peak_gib": peak, **out}
+            res["runs"].append(row)
+            print(f"{frac:>5.2f} {r_spec:>9} {r_only:>11} {cost:>7}  {label:<20}{resident:>9}{out['tokens_per_s']:>9.2f}"
+                  f"{out['hit_rate']:>9.3f}{out['uploads_per_token']:>8.1f}{plan.total / 2**30:>9.2f}{peak:>9.2f}")
+    res["miss"] = miss_costs(model, dev)
+    m = res["miss"]
+    print(f"one miss: upload {m['upload_ms']:.3f} ms ({m['upload_gb_s']:.1f} GB/s) vs CPU compute "
+          f"{m['cpu_compute_1tok_ms']:.3f} ms (1 token) / {m['cpu_compute_16tok_ms']:.3f} ms (16 tokens)")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The expert cache: routed experts live on the host; N device slots hold the resident ones.
+
+Residency. The N slots are split evenly over the MoE layers (the first `N mod L` layers
+get one more); each layer needs at least `num_experts_per_tok` slots so one token never
+waits on itself. At start-up the slots of a layer hold its lowest-numbered experts.
+
+Per window and layer (`LayerExperts.compute`): every token of the window is routed at
+once; the routed expert ids are read to the host (one small sync per MoE layer per
+window: the host must decide what to upload); each routed expert that is not resident
+is uploaded **once** (a miss), resident ones are hits; then all (token, expert) rows of
+the window are computed as one grouped GEMM over the layer's slots. When a window routes
+to more experts than the layer has slots (a long prefill chunk on a small cache), it
+runs in passes: experts already computed this window become evictable, so each missing
+expert is still uploaded once per window.
+
+Eviction. Each (layer, expert) keeps a routing-frequency score: tokens routed to it,
+decayed by half every `HALF_LIFE_TOKENS` tokens. A miss takes a free slot or the slot of
+the lowest-scoring expert not routed in the current window (ties: lowest expert id).
+
+Misses are served by upload, never by computing on the CPU: every expert is then
+computed by the same kernel from the same weights wherever it was resident before, and
+rows are reduced over the top-k positions in a fixed order, so the output does not
+depend on residency (a test asserts bit-equal logits at full, half and a tenth). On the
+CPU the slots are a separate CPU buffer, so routing, eviction, copies and counters run
+the same code as on a GPU. See docs/MOE.md for the measurement behind upload-vs-compute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftflow.plugins.target.moe import HostExperts
+
+HALF_LIFE_TOKENS = 64
+_DECAY_PER_TOKEN = 0.5 ** (1 / HALF_LIFE_TOKENS)
+
+
+def min_resident(num_moe_layers: int, top_k: int) -> int:
+    """The fewest resident experts a model can run with: top-k slots in every MoE layer."""
+    return num_moe_layers * top_k
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    # torch's grouped GEMM runs on the CPU for any float dtype and on CUDA for bf16 (sm90+ kernels).
+    return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: list[int]) -> torch.Tensor:
+    """Rows `offs[g-1]:offs[g]` of `x` times slot `g` of `w` (F.linear layout), one GEMM per group."""
+    # x: [M, K]; w: [G, N, K]; offs: G cumulative row ends -> [M, N]
+    if _use_grouped_mm(x):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor(offs, dtype=torch.int32, device=x.device))
+    out, start = x.new_empty(x.shape[0], w.shape[1]), 0
+    for g, end in enumerate(offs):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[g])
+        start = end
+    return out
+
+
+class ExpertCache:
+    """N device slots for the routed experts of one model; counters of hits, misses and bytes uploaded."""
+
+    def __init__(self, host: HostExperts, resident: int | None, top_k: int, device: torch.device | str) -> None:
+        n_layers, self.num_experts, two_i, h = host.gate_up.shape
+        self.host, self.device, self.top_k = host, torch.device(device), top_k
+        self.total = n_layers * self.num_experts
+        self.resident = self.total if resident is None else resident
+        low = min_resident(n_layers, top_k)
+        if not low <= self.resident <= self.total:
+            raise ValueError(f"expert_cache={self.resident} is outside [{low}, {self.total}]: at least top-k "
+                             f"({top_k}) per MoE layer and at most every expert; pick a count in that range")
+        self.bytes_per_expert = (host.gate_up[0, 0].numel() + host.down[0, 0].numel()) * host.gate_up.element_size()
+        self.slot_gate_up = torch.empty((self.resident, two_i, h), dtype=host.gate_up.dtype, device=self.device)  # [N, 2I, H]
+        self.slot_down = torch.empty((self.resident, h, two_i // 2), dtype=host.down.dtype, device=self.device)  # [N, H, I]
+        self.hits = self.misses = self.upload_bytes = 0
+        base, extra = divmod(self.resident, n_layers)
+        self.layers, start = [], 0
+        for row in range(n_layers):
+            size = base + (row < extra)
+            self.layers.append(LayerExperts(self, row, start, size))
+            start += size
+
+    def attach(self, blocks) -> None:
+        """Hand each MoE block (in `host.layers` order) its layer's view of the cache."""
+        for block, layer in zip(blocks, self.layers, strict=True):
+            block.experts = layer
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative hits, misses (= uploads) and bytes uploaded since construction."""
+        return {"expert_hits": self.hits, "expert_misses": self.misses, "expert_upload_bytes": self.upload_bytes}
+
+    def upload(self, row: int, expert: int, slot: int) -> None:
+        # Pinned host memory + non_blocking: the copy is queued on the stream before the expert's GEMM.
+        self.slot_gate_up[slot].copy_(self.host.gate_up[row, expert], non_blocking=True)
+        self.slot_down[slot].copy_(self.host.down[row, expert], non_blocking=True)
+
+    def tensors(self):
+        yield self.slot_gate_up
+        yield self.slot_down
+
+
+class LayerExperts:
+    """One MoE layer's slots [start, start+size) of the cache, its residency map and routing scores."""
+
+    def __init__(self, cache: ExpertCache, row: int, start: int, size: int) -> None:
+        self.cache, self.row, self.start, self.size = cache, row, start, size
+        e = cache.num_experts
+        self.slot_of = [-1] * e  # expert -> local slot, -1 when on the host only
+        self.expert_in = list(range(size))  # local slot -> expert
+        self.score = [0.0] * e
+        for slot, expert in enumerate(self.expert_in):
+            self.slot_of[expert] = slot
+            cache.upload(row, expert, start + slot)  # warm start: not counted as misses
+
+    def compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over top-k of weight * expert(x) for every token of the window."""
+        # x: [N, H]; ids, weights: [N, k] -> [N, H]
+        n, k = ids.shape
+        flat = ids.reshape(-1)  # [N*k]
+        counts = torch.bincount(flat, minlength=self.cache.num_experts).tolist()  # the layer's one sync
+        self._note(counts, n)
+        rows = x.new_empty(n * k, x.shape[1])  # [N*k, H]: expert output of each (token, k) pair
+        pending = [e for e, c in enumerate(counts) if c]
+        while pending:
+            batch, pending = self._make_resident(pending)
+            self._run(x, flat, k, batch, counts, rows)
+        # A fixed-order reduction over k: the result does not depend on which pass computed a row.
+        return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
+
+    def _note(self, counts: list[int], tokens: int) -> None:
+        decay = _DECAY_PER_TOKEN ** tokens
+        self.score = [s * decay + c for s, c in zip(self.score, counts)]
+
+    def _make_resident(self, pending: list[int]) -> tuple[list[int], list[int]]:
+        """Upload what fits of `pending`; return (experts resident now, experts left for a later pass)."""
+        cache, wanted = self.cache, set(pending)
+        hits = [e for e in pending if self.slot_of[e] >= 0]
+        missing = [e for e in pending if self.slot_of[e] < 0]
+        free = sorted((s for s in range(self.size) if self.expert_in[s] not in wanted),
+                      key=lambda s: (self.score[self.expert_in[s]], self.expert_in[s]))
+        taken = missing[:len(free)]
+        for expert, slot in zip(taken, free):
+            self.slot_of[self.expert_in[slot]] = -1
+            self.slot_of[expert], self.expert_in[slot] = slot, expert
+            cache.upload(self.row, expert, self.start + slot)
+        cache.hits += len(hits)
+        cache.misses += len(taken)
+        cache.upload_bytes += len(taken) * cache.bytes_per_expert
+        return hits + taken, missing[len(taken):]
+
+    def _run(self, x: torch.Tensor, flat: torch.Tensor, k: int, batch: list[int], counts: list[int],
+             rows: torch.Tensor) -> None:
+        """Compute every (token, k) row routed to `batch` as one grouped GEMM over the layer's slots."""
+        # x: [N, H]; flat: [N*k] expert ids; rows: [N*k, H] (written in place)
+        key_of = [self.size] * self.cache.num_experts  # experts outside the batch sort after every slot
+        per_slot = [0] * self.size
+        for e in batch:
+            key_of[e] = self.slot_of[e]
+            per_slot[self.slot_of[e]] = counts[e]
+        key = torch.tensor(key_of, device=x.device)[flat]  # [N*k]
+        order = torch.argsort(key, stable=True)[:sum(per_slot)]  # [M]: (token, k) pairs, grouped by slot
+        offs = [0] * self.size
+        total = 0
+        for s, c in enumerate(per_slot):
+            total += c
+            offs[s] = total
+        slots = slice(self.start, self.start + self.size)
+        gate_up = grouped_linear(x[order // k], self.cache.slot_gate_up[slots], offs)  # [M, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        rows[order] = grouped_linear((F.silu(gate) * up).contiguous(), self.cache.slot_down[slots], offs)  # [M, H]

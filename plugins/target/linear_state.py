@@ -1,0 +1,153 @@
+"""Recurrent state of the Gated DeltaNet layers, with rollback by selection.
+
+A KV cache rolls back by forgetting cells; a recurrent state cannot: after a partially
+accepted verify window it must be exactly the state after the last accepted token. So a
+verify window of T <= `max_window` tokens records the state after *every* window position
+and `commit(n)` selects one (vLLM's and SGLang's scheme, see docs/HYBRID.md):
+
+- recurrent: `rec[layer, 0]` is the committed state; a window writes the state after
+  its position t into `rec[layer, t + 1]`; committing n tokens copies slot n to slot 0.
+- conv: a tape `conv[layer, :, :, :K-1]` holds the last K-1 committed conv inputs; a
+  window appends its T inputs after them, so the causal conv reads one contiguous slice,
+  and committing n tokens keeps the K-1 inputs ending at window position n.
+
+Longer windows (prefill chunks) keep only their final state in slot 1 and must be
+committed whole. Forward passes never touch slot 0 or the tape's committed part, so a
+window that is never committed (a probe, a rejected window) leaves no trace.
+
+`mode="replay"` is the measured alternative (docs/HYBRID.md has the numbers): windows
+journal the per-token recurrence inputs (k, v, g, beta) instead of states, and commit
+re-runs the n accepted steps from slot 0. It keeps 2 state slots instead of 1+W.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftflow.plugins.target.config import TargetConfig
+from draftflow.plugins.target.errors import CacheCapacityError
+
+MODES = ("select", "replay")
+
+
+def conv_shape(cfg: TargetConfig, batch: int, max_window: int) -> tuple[int, int, int, int]:
+    """[linear layers, B, conv channels, K-1 + max(W, K-1)]: committed inputs, then one window's."""
+    k = cfg.linear_conv_kernel - 1
+    return (cfg.num_linear_layers, batch, cfg.linear_conv_dim, k + max(max_window, k))
+
+
+def recurrent_shape(cfg: TargetConfig, batch: int, max_window: int, mode: str = "select") -> tuple[int, ...]:
+    """[linear layers, slots, B, value heads, Dk, Dv] float32; slots = 1 + W (select) or 2 (replay).
+
+    Slot 1 also receives a prefill chunk's final state, so replay keeps two slots, not one.
+    """
+    slots = 1 + max_window if mode == "select" else 2
+    return (cfg.num_linear_layers, slots, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim)
+
+
+def journal_shape(cfg: TargetConfig, batch: int, max_window: int) -> tuple[int, ...]:
+    """[linear layers, W, B, value heads, Dk + Dv + 2] float32: k, v, g, beta per window token (replay mode)."""
+    return (cfg.num_linear_layers, max_window, batch, cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim + cfg.linear_value_head_dim + 2)
+
+
+def state_bytes(cfg: TargetConfig, max_window: int, dtype: torch.dtype, mode: str = "select") -> int:
+    """Bytes of every buffer a batch-1 LinearState holds (what the manifest declares)."""
+    n = _numel(conv_shape(cfg, 1, max_window)) * dtype.itemsize + _numel(recurrent_shape(cfg, 1, max_window, mode)) * 4
+    if mode == "replay":
+        n += _numel(journal_shape(cfg, 1, max_window)) * 4
+    return n
+
+
+class LinearState:
+    """Conv tapes and recurrent states of all linear-attention layers; `length` tokens committed."""
+
+    def __init__(self, conv: torch.Tensor, rec: torch.Tensor, max_window: int, kernel_tail: int,
+                 mode: str = "select", journal: torch.Tensor | None = None) -> None:
+        # conv: [NL, B, C, K-1 + max(W, K-1)]; rec: [NL, 1+W or 2, B, Hv, Dk, Dv] float32
+        # journal (replay mode): [NL, W, B, Hv, Dk + Dv + 2] float32
+        if mode not in MODES:
+            raise ValueError(f"linear-state mode {mode!r} is not one of {MODES}; pick one of them")
+        self.conv, self.rec, self.journal = conv, rec, journal
+        self.max_window, self.mode = max_window, mode
+        self.kernel_tail = kernel_tail  # K-1 conv inputs carried between windows
+        self.length = 0
+        self._window: tuple[int, int] | None = None  # (start, T) of the last forward
+        self._recorded = False
+
+    @classmethod
+    def allocate(cls, cfg: TargetConfig, batch: int, max_window: int, dtype: torch.dtype,
+                 device: torch.device | str, mode: str = "select") -> LinearState:
+        """A zeroed state for `batch` sequences and windows of up to `max_window` tokens."""
+        conv = torch.zeros(conv_shape(cfg, batch, max_window), dtype=dtype, device=device)
+        rec = torch.zeros(recurrent_shape(cfg, batch, max_window, mode), dtype=torch.float32, device=device)
+        journal = torch.zeros(journal_shape(cfg, batch, max_window), device=device) if mode == "replay" else None
+        return cls(conv, rec, max_window, cfg.linear_conv_kernel - 1, mode, journal)
+
+    def reset(self) -> None:
+        """Back to the empty prefix (zero conv inputs, zero recurrent state)."""
+        self.conv[..., :self.kernel_tail].zero_()
+        self.rec[:, 0].zero_()
+        self.length, self._window = 0, None
+
+    def begin(self, start: int, tokens: int) -> bool:
+        """Open a forward window of `tokens` at `start`; return whether per-position states are recorded."""
+        if start != self.length:
+            raise CacheCapacityError(
+                f"linear-attention forward at start_pos={start} but the recurrent state holds {self.length} tokens; "
+                "a recurrent state cannot attend to an arbitrary prefix, so commit (or reset) to start_pos first"
+            )
+        self._window = (start, tokens)
+        self._recorded = tokens <= self.max_window
+        return self._recorded
+
+    def commit(self, new_length: int) -> None:
+        """Make the state describe the first `new_length` tokens: select (or replay) inside the last window."""
+        n = new_length - self.length
+        if n == 0:
+            return
+        start, tokens = self._window or (self.length, 0)
+        if start != self.length or not 0 < n <= tokens or (not self._recorded and n != tokens):
+            raise CacheCapacityError(
+                f"linear-state commit({new_length}) does not fall inside the last window "
+                f"[{start}, {start + tokens}] (whole prefill chunks only); commit only positions a forward has computed"
+            )
+        k = self.kernel_tail
+        if self._recorded:
+            self.conv[..., :k] = self.conv[..., n:n + k].clone()
+            if self.mode == "select":
+                self.rec[:, 0] = self.rec[:, n]
+            else:
+                replay(self.rec[:, 0], self.journal[:, :n])
+        else:  # prefill chunk: the forward left the final K-1 inputs right after the committed ones
+            self.conv[..., :k] = self.conv[..., k:2 * k].clone()
+            self.rec[:, 0] = self.rec[:, 1]
+        self.length, self._window = new_length, None
+
+
+def replay(state: torch.Tensor, journal: torch.Tensor) -> None:
+    """Advance `state` in place through journaled steps, exactly as the window's recurrence did."""
+    # state: [NL, B, Hv, Dk, Dv] float32; journal: [NL, n, B, Hv, Dk + Dv + 2]
+    dk = state.shape[-2]
+    s = state
+    for t in range(journal.shape[1]):
+        step = journal[:, t]
+        s = delta_step(s, step[..., :dk], step[..., dk:-2], step[..., -2].exp(), step[..., -1])
+    state.copy_(s)
+
+
+def delta_step(s: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """One gated delta-rule update: S <- a S + k (beta (v - a S^T k))^T."""
+    # s: [..., Dk, Dv]; k: [..., Dk]; v: [..., Dv]; decay, beta: [...]
+    s = s * decay[..., None, None]
+    remembered = (k.unsqueeze(-2) @ s).squeeze(-2)  # [..., Dv]
+    delta = (v - remembered) * beta[..., None]
+    return s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
