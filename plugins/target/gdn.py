@@ -104,7 +104,7 @@ class GatedDeltaNet(nn.Module):
         rec = state.rec[slot]  # [slots, B, Hv, Dk, Dv] float32
         if recorded:
             out = self._recurrent(q, k, v, g, beta, rec, state, slot)
-        elif self.use_fla and _fla_chunk is not None and x.is_cuda:
+        elif self.use_fla and _fla_chunk is not None and x.is_cuda and x.dtype != torch.float32:  # fla's dots are TF32
             out, final = _fla_chunk(q.to(x.dtype), k.to(x.dtype), v.to(x.dtype), g, beta.to(x.dtype), scale=1.0,
                                     initial_state=rec[0], output_final_state=True)
             rec[1] = final
