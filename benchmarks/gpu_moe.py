@@ -233,6 +233,7 @@ def main() -> None:
             runs.append(("target-only autosized", r_only, None, only_plan))
         for label, resident, dr, plan in runs:
             model.set_expert_cache(resident)
+            decode(model, dcfg, dr, dkv, dev, a.prompt, 4, seed=1)  # warm-up: kernels, allocator, first uploads
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             out = decode(model, dcfg, dr, dkv, dev, a.prompt, a.tokens, seed=2)

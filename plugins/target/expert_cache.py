@@ -113,6 +113,9 @@ class LayerExperts:
         for slot, expert in enumerate(self.expert_in):
             self.slot_of[expert] = slot
             cache.upload(row, expert, start + slot)  # warm start: not counted as misses
+        # The same map on the device (non-resident = size, sorting after every slot): a window whose
+        # experts are all resident after its uploads groups its rows with no host-built index.
+        self.slot_key = torch.tensor([s if s >= 0 else size for s in self.slot_of], device=cache.device)  # [E]
 
     def compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over top-k of weight * expert(x) for every token of the window."""
@@ -125,7 +128,7 @@ class LayerExperts:
         pending = [e for e, c in enumerate(counts) if c]
         while pending:
             batch, pending = self._make_resident(pending)
-            self._run(x, flat, k, batch, counts, rows)
+            self._run(x, flat, k, batch, counts, rows, whole=not pending and len(batch) == sum(c > 0 for c in counts))
         # A fixed-order reduction over k: the result does not depend on which pass computed a row.
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
@@ -138,12 +141,17 @@ class LayerExperts:
         cache, wanted = self.cache, set(pending)
         hits = [e for e in pending if self.slot_of[e] >= 0]
         missing = [e for e in pending if self.slot_of[e] < 0]
+        if not missing:
+            cache.hits += len(hits)
+            return hits, []
         free = sorted((s for s in range(self.size) if self.expert_in[s] not in wanted),
                       key=lambda s: (self.score[self.expert_in[s]], self.expert_in[s]))
         taken = missing[:len(free)]
         for expert, slot in zip(taken, free):
-            self.slot_of[self.expert_in[slot]] = -1
+            old = self.expert_in[slot]
+            self.slot_of[old] = -1
             self.slot_of[expert], self.expert_in[slot] = slot, expert
+            self.slot_key[old], self.slot_key[expert] = self.size, slot  # queued like the upload: no sync
             cache.upload(self.row, expert, self.start + slot)
         cache.hits += len(hits)
         cache.misses += len(taken)
@@ -151,15 +159,24 @@ class LayerExperts:
         return hits + taken, missing[len(taken):]
 
     def _run(self, x: torch.Tensor, flat: torch.Tensor, k: int, batch: list[int], counts: list[int],
-             rows: torch.Tensor) -> None:
-        """Compute every (token, k) row routed to `batch` as one grouped GEMM over the layer's slots."""
+             rows: torch.Tensor, whole: bool) -> None:
+        """Compute every (token, k) row routed to `batch` as one grouped GEMM over the layer's slots.
+
+        `whole`: the batch is every expert the window routed to, so the device slot map is
+        the sort key; otherwise (a pass of a window with more experts than slots) the key is
+        built on the host so that experts outside the batch sort last.
+        """
         # x: [N, H]; flat: [N*k] expert ids; rows: [N*k, H] (written in place)
-        key_of = [self.size] * self.cache.num_experts  # experts outside the batch sort after every slot
         per_slot = [0] * self.size
         for e in batch:
-            key_of[e] = self.slot_of[e]
             per_slot[self.slot_of[e]] = counts[e]
-        key = torch.tensor(key_of, device=x.device)[flat]  # [N*k]
+        if whole:
+            key = self.slot_key[flat]  # [N*k]
+        else:
+            key_of = [self.size] * self.cache.num_experts  # experts outside the batch sort after every slot
+            for e in batch:
+                key_of[e] = self.slot_of[e]
+            key = torch.tensor(key_of, device=x.device)[flat]  # [N*k]
         order = torch.argsort(key, stable=True)[:sum(per_slot)]  # [M]: (token, k) pairs, grouped by slot
         offs = [0] * self.size
         total = 0

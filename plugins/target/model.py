@@ -205,9 +205,14 @@ class TargetModel(nn.Module):
         """MoE only: (re)build the expert cache with `resident` device slots (None = every expert)."""
         from draftflow.plugins.target.expert_cache import ExpertCache
 
-        self.expert_cache = None  # free the old slots first
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        for block in blocks:  # free the old slots before allocating new ones (the blocks hold the old cache too)
+            block.experts = None
+        self.expert_cache = None
+        if self.inv_freq.is_cuda:
+            torch.cuda.empty_cache()
         self.expert_cache = ExpertCache(self.host_experts, resident, self.config.num_experts_per_tok, self.inv_freq.device)
-        self.expert_cache.attach([layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)])
+        self.expert_cache.attach(blocks)
         return self.expert_cache
 
     def head_weight(self) -> torch.Tensor:
