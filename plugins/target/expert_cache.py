@@ -46,10 +46,10 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: list[int]) -> torch.Tensor:
-    """Rows `offs[g-1]:offs[g]` of `x` times slot `g` of `w` (F.linear layout), one GEMM per group."""
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: list[int], grouped: bool = True) -> torch.Tensor:
+    """Rows `offs[g-1]:offs[g]` of `x` times slot `g` of `w` (F.linear layout): one grouped GEMM, or one GEMM per group."""
     # x: [M, K]; w: [G, N, K]; offs: G cumulative row ends -> [M, N]
-    if _use_grouped_mm(x):
+    if grouped and _use_grouped_mm(x):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor(offs, dtype=torch.int32, device=x.device))
     out, start = x.new_empty(x.shape[0], w.shape[1]), 0
     for g, end in enumerate(offs):
@@ -62,8 +62,11 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: list[int]) -> torch.T
 class ExpertCache:
     """N device slots for the routed experts of one model; counters of hits, misses and bytes uploaded."""
 
-    def __init__(self, host: HostExperts, resident: int | None, top_k: int, device: torch.device | str) -> None:
+    def __init__(self, host: HostExperts, resident: int | None, top_k: int, device: torch.device | str,
+                 grouped: bool = True) -> None:
+        # grouped: one grouped GEMM per layer and window where torch has one (else a GEMM per routed expert)
         n_layers, self.num_experts, two_i, h = host.gate_up.shape
+        self.grouped = grouped
         self.host, self.device, self.top_k = host, torch.device(device), top_k
         self.total = n_layers * self.num_experts
         self.resident = self.total if resident is None else resident
@@ -99,6 +102,11 @@ class ExpertCache:
     def tensors(self):
         yield self.slot_gate_up
         yield self.slot_down
+
+    def release(self) -> None:
+        """Drop the device slots now (layers and cache refer to each other, so refcounting alone would not)."""
+        self.slot_gate_up = self.slot_down = None
+        self.layers = []
 
 
 class LayerExperts:
@@ -184,6 +192,7 @@ class LayerExperts:
             total += c
             offs[s] = total
         slots = slice(self.start, self.start + self.size)
-        gate_up = grouped_linear(x[order // k], self.cache.slot_gate_up[slots], offs)  # [M, 2I]
+        grouped = self.cache.grouped
+        gate_up = grouped_linear(x[order // k], self.cache.slot_gate_up[slots], offs, grouped)  # [M, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
-        rows[order] = grouped_linear((F.silu(gate) * up).contiguous(), self.cache.slot_down[slots], offs)  # [M, H]
+        rows[order] = grouped_linear((F.silu(gate) * up).contiguous(), self.cache.slot_down[slots], offs, grouped)  # [M, H]

@@ -201,17 +201,23 @@ class TargetModel(nn.Module):
         self.host_experts = None  # MoE: routed experts on the host (moe.HostExperts), set by the loaders
         self.expert_cache = None  # MoE: the device slots serving them (expert_cache.ExpertCache)
 
-    def set_expert_cache(self, resident: int | None):
-        """MoE only: (re)build the expert cache with `resident` device slots (None = every expert)."""
+    def set_expert_cache(self, resident: int | None, grouped: bool = True):
+        """MoE only: (re)build the expert cache with `resident` device slots (None = every expert).
+
+        `grouped`: one grouped GEMM per layer and window (else one GEMM per routed expert).
+        """
         from draftflow.plugins.target.expert_cache import ExpertCache
 
         blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
         for block in blocks:  # free the old slots before allocating new ones (the blocks hold the old cache too)
             block.experts = None
+        if self.expert_cache is not None:
+            self.expert_cache.release()
         self.expert_cache = None
         if self.inv_freq.is_cuda:
             torch.cuda.empty_cache()
-        self.expert_cache = ExpertCache(self.host_experts, resident, self.config.num_experts_per_tok, self.inv_freq.device)
+        self.expert_cache = ExpertCache(self.host_experts, resident, self.config.num_experts_per_tok, self.inv_freq.device,
+                                        grouped)
         self.expert_cache.attach(blocks)
         return self.expert_cache
 
