@@ -63,10 +63,11 @@ class ExpertCache:
     """N device slots for the routed experts of one model; counters of hits, misses and bytes uploaded."""
 
     def __init__(self, host: HostExperts, resident: int | None, top_k: int, device: torch.device | str,
-                 grouped: bool = True) -> None:
-        # grouped: one grouped GEMM per layer and window where torch has one (else a GEMM per routed expert)
+                 grouped: bool | None = None) -> None:
+        # grouped: one grouped GEMM per layer and window where torch has one, else a GEMM per routed expert.
+        # None: grouped on the CPU, per expert on CUDA (H200, 30B-A3B shape: 11.6 vs 6.5 tokens/s, BENCHMARKS.md).
         n_layers, self.num_experts, two_i, h = host.gate_up.shape
-        self.grouped = grouped
+        self.grouped = torch.device(device).type != "cuda" if grouped is None else grouped
         self.host, self.device, self.top_k = host, torch.device(device), top_k
         self.total = n_layers * self.num_experts
         self.resident = self.total if resident is None else resident

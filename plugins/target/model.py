@@ -201,10 +201,11 @@ class TargetModel(nn.Module):
         self.host_experts = None  # MoE: routed experts on the host (moe.HostExperts), set by the loaders
         self.expert_cache = None  # MoE: the device slots serving them (expert_cache.ExpertCache)
 
-    def set_expert_cache(self, resident: int | None, grouped: bool = True):
+    def set_expert_cache(self, resident: int | None, grouped: bool | None = None):
         """MoE only: (re)build the expert cache with `resident` device slots (None = every expert).
 
-        `grouped`: one grouped GEMM per layer and window (else one GEMM per routed expert).
+        `grouped`: one grouped GEMM per layer and window, or one GEMM per routed expert (None: the
+        measured default, see `ExpertCache`).
         """
         from draftflow.plugins.target.expert_cache import ExpertCache
 

@@ -26,7 +26,8 @@ def test_shipped_files_are_small_and_complete():
     assert all(p.stat().st_size <= 16 << 20 for p in files), [(p.name, p.stat().st_size) for p in files]
     names = {str(p.relative_to(DEMO)) for p in files}
     assert {"target/model.safetensors", "target/tokenizer.json", "target/config.json", "dflash/model.safetensors",
-            "dflash/config.json", "mtp/mtp.safetensors", "mtp/config.json", "MODEL_CARD.md"} <= names, names
+            "dflash/config.json", "mtp/mtp.safetensors", "mtp/config.json", "dflash2/model.safetensors",
+            "dflash2/config.json", "MODEL_CARD.md"} <= names, names
     assert not [n for n in names if n.endswith((".pt", ".bin", ".pkl"))]
 
 
@@ -55,3 +56,9 @@ def test_readme_main_command_prints_code_and_summary(tmp_path):
     assert "tau" in summary and "acceptance" in summary and "tok/s" in summary, r.stderr
     tau = float(summary.split("tau ")[1].split(",")[0])
     assert tau > 1.0, summary
+
+
+def test_demo_dflash2_with_selector_passes_the_greedy_gate(prompts):
+    """graphs/demo-dflash2.yaml (the shipped DFlash2 drafter and its learned selector) is lossless and accepts drafts."""
+    report = greedy_gate(ROOT / "graphs" / "demo-dflash2.yaml", prompts=prompts[:2], max_new_tokens=32)
+    assert report.accepted > 0
