@@ -85,6 +85,7 @@ def replay(stats: RequestStats, prompt_len: int, new: int, block_size: int, acce
 def run_peer(pair: PeerPair, prompts: list[list[int]], temperature: float, new: int, k: int) -> dict:
     """The benchmark row of one drafter through `dflash_generate` (seed = prompt index, as draftflow's rows)."""
     stats, tokens, seconds = RequestStats(), 0, 0.0
+    pair.generate(prompts[0], new, temperature, k, seed=0)  # untimed warm-up, as draftflow's rows get
     for i, ids in enumerate(prompts):
         out, lengths, dt = pair.generate(ids, new, temperature, k, seed=i)
         replay(stats, len(ids), new, k + 1, lengths)
