@@ -25,7 +25,7 @@ from torch.nn.attention import sdpa_kernel
 
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.model import DFlashModel, draft_logits
-from draftflow.plugins.target.graphs import _BACKENDS, WARMUP_RUNS, _attend, bucket_for
+from draftflow.plugins.target.graphs import _BACKENDS, _attend, bucket_for, capture
 from draftflow.plugins.target.kv_cache import KVCache
 from draftflow.plugins.target.model import _rotate
 
@@ -112,7 +112,7 @@ class DraftRunner:
         cos, sin = _rope(m, pos, x.dtype)
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h, attn_state = layer.input_layernorm(x), None
             if layer.attention_conv is not None:
                 h, attn_state = layer.attention_conv.prepare(h)
             q = _rotate(attn.q_norm(attn.q_proj(h).view(1, w, attn.num_heads, attn.head_dim)), cos, sin)
@@ -125,16 +125,7 @@ class DraftRunner:
             folded = q.view(1, w, attn.num_kv_heads, groups, attn.head_dim).permute(0, 2, 3, 1, 4)
             folded = folded.reshape(1, attn.num_kv_heads, groups * w, attn.head_dim)  # [1, KVH, G*W, D]
             out = _attend(folded, kv[i, 0, :, :bucket], kv[i, 1, :, :bucket], mask.repeat(groups, 1), w)
-            y = attn.o_proj(out)
-            if layer.attention_conv is not None:
-                y = layer.attention_conv.finish(y, attn_state)
-            x = x + y
-            u = layer.post_attention_layernorm(x)
-            if layer.mlp_conv is None:
-                x = x + layer.mlp(u)
-            else:
-                u, mlp_state = layer.mlp_conv.prepare(u)
-                x = x + layer.mlp_conv.finish(layer.mlp(u), mlp_state)
+            x = layer.finish(x, attn.o_proj(out), attn_state)
         hidden = m.norm(x)[:, 1:]  # [1, W-1, H]
         return hidden, draft_logits(hidden, self.head, cfg)
 
@@ -145,16 +136,7 @@ class DraftRunner:
         self.logits[:, :w - 1].copy_(logits)
 
     def _capture(self, w: int, bucket: int) -> torch.cuda.CUDAGraph:
-        # Warm-up runs write the same cells the replay will, so they change nothing.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._run(w, bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._run(w, bucket)
+        graph = capture(lambda: self._run(w, bucket), self._pool)
         self.graphs[(w, bucket)] = graph
         return graph
 

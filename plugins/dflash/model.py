@@ -61,6 +61,18 @@ class DFlashLayer(nn.Module):
         self.attention_conv = None
         self.mlp_conv = None
 
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor, attn_state) -> torch.Tensor:
+        """The rest of the layer after attention: side-1 conv, residual, MLP sublayer (with its convs)."""
+        # x, attn_out: [1, W, H] (attn_out after o_proj); attn_state: the attention conv's kernel or None
+        if self.attention_conv is not None:
+            attn_out = self.attention_conv.finish(attn_out, attn_state)
+        x = x + attn_out
+        u = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return x + self.mlp(u)
+        u, mlp_state = self.mlp_conv.prepare(u)
+        return x + self.mlp_conv.finish(self.mlp(u), mlp_state)
+
 
 class DFlashModel(nn.Module):
     """Drafter weights plus the two forwards: `add_context` and `forward` (one block)."""
@@ -114,7 +126,7 @@ class DFlashModel(nn.Module):
         x = block
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h, attn_state = layer.input_layernorm(x), None
             if layer.attention_conv is not None:
                 h, attn_state = layer.attention_conv.prepare(h)
             q = attn.q_norm(attn.q_proj(h).view(1, width, attn.num_heads, attn.head_dim))
@@ -125,16 +137,7 @@ class DFlashModel(nn.Module):
             mask = _mask(start, width, cfg.layer_is_causal(i),
                          cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None, block.device)
             out = _attend(q, keys, values, mask, attn.num_heads != attn.num_kv_heads)
-            y = attn.o_proj(out.reshape(1, width, -1))
-            if layer.attention_conv is not None:
-                y = layer.attention_conv.finish(y, attn_state)
-            x = x + y
-            u = layer.post_attention_layernorm(x)
-            if layer.mlp_conv is None:
-                x = x + layer.mlp(u)
-            else:
-                u, mlp_state = layer.mlp_conv.prepare(u)
-                x = x + layer.mlp_conv.finish(layer.mlp(u), mlp_state)
+            x = layer.finish(x, attn.o_proj(out.reshape(1, width, -1)), attn_state)
         return self.norm(x)
 
 
