@@ -25,7 +25,7 @@ from torch.nn.attention import sdpa_kernel
 
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.model import DFlashModel, draft_logits
-from draftflow.plugins.target.graphs import _BACKENDS, _attend, bucket_for, capture
+from draftflow.plugins.target.graphs import _BACKENDS, WARMUP_RUNS, _attend, bucket_for
 from draftflow.plugins.target.kv_cache import KVCache
 from draftflow.plugins.target.model import _rotate
 
@@ -136,7 +136,17 @@ class DraftRunner:
         self.logits[:, :w - 1].copy_(logits)
 
     def _capture(self, w: int, bucket: int) -> torch.cuda.CUDAGraph:
-        graph = capture(lambda: self._run(w, bucket), self._pool)
+        # The same capture as the target's runner (plugins/target/graphs.py), kept as run on the H200.
+        # Warm-up runs write the same cells the replay will, so they change nothing.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run(w, bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run(w, bucket)
         self.graphs[(w, bucket)] = graph
         return graph
 

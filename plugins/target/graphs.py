@@ -301,23 +301,15 @@ class GraphRunner:
             self.features[:, :w].copy_(features)
 
     def _capture(self, w: int, bucket: int) -> torch.cuda.CUDAGraph:
-        graph = capture(lambda: self._run(w, bucket), self._pool)
+        # Warm-up runs write the same K/V cells the replay will, so they change nothing.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run(w, bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run(w, bucket)
         self.graphs[(w, bucket)] = graph
         return graph
-
-
-def capture(run: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
-    """Warm `run` up on a side stream (compilation, workspaces), then capture one call of it as a CUDA graph.
-
-    `run` must write the same cells on every call (static buffers), so the warm-up runs change nothing.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(WARMUP_RUNS):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        run()
-    return graph
