@@ -6,8 +6,11 @@
 
 The pair (t_{i+1}, h_i) sits at RoPE position i (vLLM's convention). Chained drafting
 feeds step j the embedding of draft j and the previous step's output hidden: ``y`` for
-DeepSeek-V3, ``out_norm(y)`` for Qwen3-Next. The block is the target's dense decoder layer;
-Qwen3-Next norms compute x̂·(1+w) in float32 (``UnitOffsetRMSNorm``).
+DeepSeek-V3, ``out_norm(y)`` for Qwen3-Next. The block is the target plugin's own
+``DecoderLayer`` built from a one-layer config (``weights.block_config``): dense or sparse
+MoE MLP, plain or gated attention, partial RoPE as the target's config says. Its MoE block
+gets its own ``ExpertCache`` with every expert resident (the head runs a few tokens per
+step, so it never needs eviction). Qwen3-Next norms compute x̂·(1+w) in float32.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.plugins.mtp.weights import block_config, read_state
 from draftflow.plugins.target.config import TargetConfig
+from draftflow.plugins.target.expert_cache import ExpertCache
 from draftflow.plugins.target.kv_cache import KVCache
 from draftflow.plugins.target.model import DecoderLayer, RMSNorm, rope_inv_freq
+from draftflow.plugins.target.moe import HostExperts, SparseMoeBlock
 
 
 class UnitOffsetRMSNorm(RMSNorm):
@@ -34,21 +40,17 @@ class UnitOffsetRMSNorm(RMSNorm):
 class MtpHead(nn.Module):
     """Weights of one MTP module; embedding (and Qwen3-Next's LM head) are bound from the target."""
 
-    def __init__(self, cfg: TargetConfig, layout: str, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, cfg: TargetConfig, layout: str, dtype: torch.dtype, device=None,
+                 block_cfg: TargetConfig | None = None) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         norm = UnitOffsetRMSNorm if layout == "qwen3-next" else RMSNorm
         self.cfg, self.layout = cfg, layout
+        self.block_cfg = block_cfg or block_config(cfg, layout)
         self.norm_e, self.norm_h, self.out_norm = (norm(h, eps, dtype, device) for _ in range(3))
         self.proj = nn.Linear(2 * h, h, bias=False, dtype=dtype, device=device)
-        self.block = DecoderLayer(cfg, dtype, device)
-        if layout == "qwen3-next":
-            self.block.input_layernorm = norm(h, eps, dtype, device)
-            self.block.post_attention_layernorm = norm(h, eps, dtype, device)
-            if cfg.qk_norm:
-                self.block.self_attn.q_norm = norm(cfg.head_dim, eps, dtype, device)
-                self.block.self_attn.k_norm = norm(cfg.head_dim, eps, dtype, device)
-        else:
+        self.block = DecoderLayer(self.block_cfg, dtype, device)  # layer 0 of a one-layer, full-attention config
+        if layout != "qwen3-next":
             self.head = nn.Linear(h, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         inv_freq = rope_inv_freq(cfg)
         if device is not None and torch.device(device).type != "meta":
@@ -57,6 +59,11 @@ class MtpHead(nn.Module):
         self.requires_grad_(False)
         self.embed: torch.Tensor | None = None  # [V, H], bound from the target
         self.shared_head: torch.Tensor | None = None  # [V, H], Qwen3-Next only
+        self.expert_cache: ExpertCache | None = None  # MoE block only: its routed experts, all resident
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.block.mlp, SparseMoeBlock)
 
     def bind(self, embed: torch.Tensor, head: torch.Tensor) -> None:
         """Share the target's embedding and (Qwen3-Next) LM head instead of holding copies."""
@@ -96,8 +103,16 @@ class MtpHead(nn.Module):
 
 def load_head(ckpt, device: torch.device, dtype: torch.dtype) -> MtpHead:
     """Build on the meta device and assign the checkpoint tensors (no double allocation)."""
-    from draftflow.plugins.mtp.weights import read_state
-
-    head = MtpHead(ckpt.config, ckpt.layout, dtype, device="meta")
-    head.load_state_dict(read_state(ckpt, device, dtype), strict=True, assign=True)
-    return head.to(device)
+    head = MtpHead(ckpt.config, ckpt.layout, dtype, device="meta", block_cfg=ckpt.block_config)
+    is_moe = head.is_moe
+    # Routed experts are not module parameters: read them to the host and stack them as the target loader does.
+    state = read_state(ckpt, device, dtype, host_prefix="block.mlp.experts." if is_moe else None)
+    if is_moe:
+        experts = {"layers.0." + n.removeprefix("block."): state.pop(n) for n in list(state) if n.startswith("block.mlp.experts.")}
+        host = HostExperts.pop_from_state(experts, head.block_cfg, pin=False)  # never re-read: all stay resident
+    head.load_state_dict(state, strict=True, assign=True)
+    head = head.to(device)
+    if is_moe:
+        head.expert_cache = ExpertCache(host, None, head.block_cfg.num_experts_per_tok, device)
+        head.expert_cache.attach([head.block.mlp])
+    return head

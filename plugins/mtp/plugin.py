@@ -40,7 +40,11 @@ def manifest(params, env) -> Manifest:
     ckpt = find_mtp(params["path"], params["config"], params["layout"])
     cfg, dtype = ckpt.config, getattr(torch, env.dtype)
     chunk = params["prefill_chunk"]
-    scratch = chunk * (6 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + env.num_draft * cfg.vocab_size * 4
+    block = ckpt.block_config
+    # Per pair: the block's activations; an MoE block's widest MLP is k routed experts plus the shared one.
+    mlp = (block.num_experts_per_tok * (3 * block.moe_intermediate_size + 2 * cfg.hidden_size)
+           + 2 * block.shared_expert_intermediate_size) if block.moe_layers else 2 * cfg.intermediate_size
+    scratch = chunk * (6 * cfg.hidden_size + mlp) * dtype.itemsize + env.num_draft * cfg.vocab_size * 4
     return Manifest(
         role="drafter",
         inputs=(Port("features", "features", carried=True, doc="target taps incl. the last layer (post-norm hidden)"),),
@@ -71,6 +75,8 @@ class Mtp(Node):
 
     def tensors(self):
         yield from self.head.parameters()
+        if self.head.expert_cache is not None:
+            yield from self.head.expert_cache.tensors()
 
     def _bind(self) -> None:
         # The target is built after its drafters (execution order), so bind on first use.

@@ -7,6 +7,11 @@
 - ``qwen3-next``: ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}`` and the
   block under ``mtp.layers.0.``; embedding and LM head are the target's. RMSNorm is x̂·(1+w).
 
+The block is one full-attention decoder layer of the target's kind (``block_config``): a
+Qwen3-Next target gives gated attention with partial RoPE; its MLP is a sparse MoE block
+(routed experts ``mlp.experts.{j}.*`` + shared expert) when the checkpoint holds
+``mlp.gate.weight`` under the block prefix and the config has experts, else a dense MLP.
+
 Only headers are read to build a manifest; tensors are read when the node is built.
 """
 
@@ -43,6 +48,7 @@ class MtpCheckpoint:
     prefix: str  # "model.layers.{N}." or "mtp."
     block_prefix: str  # prefix of the decoder block's tensors
     tensors: dict  # our module name -> (checkpoint name, file, shape)
+    block_config: TargetConfig | None = None  # the one-layer config of the block (block_config)
 
     def nbytes(self, dtype: torch.dtype) -> int:
         return sum(_numel(shape) for _, _, shape in self.tensors.values()) * dtype.itemsize
@@ -80,8 +86,19 @@ def _config_path(path: Path, config: str) -> Path:
     return path.parent if path.is_file() else path
 
 
+def block_config(cfg: TargetConfig, layout: str, moe: bool = False) -> TargetConfig:
+    """The MTP block as a one-layer target: full attention (never Gated DeltaNet), MoE or dense MLP.
+
+    Qwen3-Next norms are x̂·(1+w) whatever the target's arch, so that layout sets ``norm_offset``.
+    """
+    return attrs.evolve(cfg, num_layers=1, tie_word_embeddings=True,
+                        layer_types=("full_attention",) if cfg.layer_types else (),
+                        moe_layers=(0,) if moe else (),
+                        norm_offset=cfg.norm_offset or layout == "qwen3-next")
+
+
 def _block_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
-    one = expected_tensors(attrs.evolve(cfg, num_layers=1, tie_word_embeddings=True))
+    one = expected_tensors(cfg)
     return {n.removeprefix("model.layers.0."): s for n, s in one.items() if n.startswith("model.layers.0.")}
 
 
@@ -106,12 +123,16 @@ def find_mtp(path: str, config: str = "", layout: str = "auto") -> MtpCheckpoint
         layout = present[0]
     prefix = prefixes[layout]
     block_prefix = prefix + ("layers.0." if layout == "qwen3-next" else "")
+    # A router weight under the block marks a sparse MoE block; a config without experts cannot describe one.
+    moe = cfg.num_experts > 0 and block_prefix + "mlp.gate.weight" in headers
+    block_cfg = block_config(cfg, layout, moe)
+    block = _block_shapes(block_cfg)
     h = cfg.hidden_size
     want = {"norm_e.weight": (h,), "norm_h.weight": (h,), "proj.weight": (h, 2 * h), "out_norm.weight": (h,),
             "head.weight": (cfg.vocab_size, h)}
     names = {ours: prefix + theirs for ours, theirs in _HEAD_NAMES[layout].items()}
-    names.update({"block." + rel: block_prefix + rel for rel in _block_shapes(cfg)})
-    want.update({"block." + rel: s for rel, s in _block_shapes(cfg).items()})
+    names.update({"block." + rel: block_prefix + rel for rel in block})
+    want.update({"block." + rel: s for rel, s in block.items()})
     problems, tensors = [], {}
     for ours, theirs in names.items():
         if theirs not in headers:
@@ -122,21 +143,23 @@ def find_mtp(path: str, config: str = "", layout: str = "auto") -> MtpCheckpoint
             tensors[ours] = (theirs, headers[theirs][0], want[ours])
     known = set(names.values()) | {prefix + i for i in _IGNORED}
     extra = sorted(k for k in headers if k.startswith(prefix) and k not in known)
-    problems += [f"tensor {k!r} is not part of a dense MTP head (extra tensor; gated attention and MoE blocks are not supported)"
-                 for k in extra[:3]]
+    kind = "sparse-MoE" if moe else "dense-MLP"
+    problems += [f"tensor {k!r} is not part of a {kind} MTP head for this config (extra tensor)" for k in extra[:3]]
     if problems:
         raise ModelFormatError(f"{path}: {len(problems)} MTP weight problem(s) for the {layout} layout: "
                                + "; ".join(problems[:5]) + "; fix: re-export the MTP head for this config")
-    return MtpCheckpoint(cfg, layout, prefix, block_prefix, tensors)
+    return MtpCheckpoint(cfg, layout, prefix, block_prefix, tensors, block_cfg)
 
 
-def read_state(ckpt: MtpCheckpoint, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Our module name -> tensor on ``device`` in ``dtype``."""
+def read_state(ckpt: MtpCheckpoint, device: torch.device, dtype: torch.dtype,
+               host_prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """Our module name -> tensor on ``device`` in ``dtype`` (names starting with ``host_prefix``: on the CPU)."""
     state, handles = {}, {}
     for ours, (theirs, file, _) in ckpt.tensors.items():
         if file not in handles:
             handles[file] = safe_open(str(file), framework="pt")
-        state[ours] = handles[file].get_tensor(theirs).to(device=device, dtype=dtype)
+        where = "cpu" if host_prefix and ours.startswith(host_prefix) else device
+        state[ours] = handles[file].get_tensor(theirs).to(device=where, dtype=dtype)
     return state
 
 
