@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import LLAMA3_ROPE, VOCAB
+from target_testlib import LLAMA3_ROPE, VOCAB
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from draftflow.plugins.target.gguf_loader import PRE_TOKENIZER_REGEX, load_gguf, read_gguf_config

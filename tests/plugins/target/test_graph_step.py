@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
+from target_testlib import VOCAB
 
 from draftflow.core.executor import Executor
 from draftflow.core.node import SamplingParams

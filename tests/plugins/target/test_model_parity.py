@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LLAMA3_ROPE, VOCAB
+from target_testlib import LLAMA3_ROPE, VOCAB
 from transformers import DynamicCache
 
 from draftflow.plugins.target.hf_loader import load_hf

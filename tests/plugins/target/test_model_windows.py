@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
+from target_testlib import VOCAB
 
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.plugins.target.kv_cache import KVCache, static_shape
