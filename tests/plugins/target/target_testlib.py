@@ -73,3 +73,30 @@ def save_hf_model(model: transformers.PreTrainedModel, path: Path, **kwargs: Any
     """save_pretrained with safetensors, as users' checkpoints arrive."""
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     return path
+
+
+def hf_greedy(hf, prompt: torch.Tensor, steps: int) -> list[int]:
+    """Greedy continuation through transformers with a DynamicCache, one token per forward."""
+    from transformers import DynamicCache
+
+    cache, ids, out = DynamicCache(), prompt, []
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = hf(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            out.append(int(ids))
+    return out
+
+
+def our_greedy(model, cfg, prompt: torch.Tensor, steps: int) -> list[int]:
+    """Greedy continuation through our TargetModel over a growing float32 KV cache on the CPU."""
+    from draftflow.plugins.target.kv_cache import KVCache
+
+    cache = KVCache.growing(cfg, 1, 256, torch.float32, "cpu", chunk_tokens=16)
+    ids, pos, out = prompt, 0, []
+    for _ in range(steps):
+        logits, _ = model(ids, pos, cache, logit_rows=1)
+        pos += ids.shape[1]
+        cache.commit(pos)
+        ids = logits.argmax(-1)
+        out.append(int(ids))
+    return out

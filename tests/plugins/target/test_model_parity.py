@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from target_testlib import LLAMA3_ROPE, VOCAB
-from transformers import DynamicCache
+from target_testlib import LLAMA3_ROPE, VOCAB, hf_greedy, our_greedy
 
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.plugins.target.kv_cache import KVCache
@@ -25,28 +24,6 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).abs().max() / ref.abs().max()).item()
 
 
-def _hf_greedy(hf, prompt: torch.Tensor, steps: int) -> list[int]:
-    cache, ids, out = DynamicCache(), prompt, []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = hf(ids, cache=cache, use_cache=True).logits
-            ids = logits[:, -1:].argmax(-1)
-            out.append(int(ids))
-    return out
-
-
-def _our_greedy(model, cfg, prompt: torch.Tensor, steps: int) -> list[int]:
-    cache = KVCache.growing(cfg, 1, 256, torch.float32, "cpu", chunk_tokens=16)
-    ids, pos, out = prompt, 0, []
-    for _ in range(steps):
-        logits, _ = model(ids, pos, cache, logit_rows=1)
-        pos += ids.shape[1]
-        cache.commit(pos)
-        ids = logits.argmax(-1)
-        out.append(int(ids))
-    return out
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_logits_taps_and_greedy_match_transformers(hf_dir, case):
     """Logits (1e-4 of scale), taps = hidden_states[L+1] and 64-token greedy runs match transformers."""
@@ -63,7 +40,7 @@ def test_logits_taps_and_greedy_match_transformers(hf_dir, case):
     assert torch.allclose(taps[..., 64:], ref.hidden_states[1], atol=1e-5, rtol=1e-5)
 
     prompt = tokens[:1, :8]
-    assert _our_greedy(loaded.model, loaded.config, prompt, 64) == _hf_greedy(hf, prompt, 64)
+    assert our_greedy(loaded.model, loaded.config, prompt, 64) == hf_greedy(hf, prompt, 64)
 
 
 def test_llama3_rope_scaling_changes_the_model(hf_dir):

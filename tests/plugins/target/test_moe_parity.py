@@ -6,7 +6,7 @@ import pytest
 import torch
 from moe_testlib import NUM_EXPERTS, TOP_K, VOCAB, build_hf_moe, save_hf_moe
 from safetensors.torch import save_file
-from transformers import DynamicCache
+from target_testlib import hf_greedy, our_greedy
 
 from draftflow.plugins.target.expert_cache import ExpertCache
 from draftflow.plugins.target.hf_loader import load_hf
@@ -27,27 +27,6 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).abs().max() / ref.abs().max()).item()
 
 
-def _hf_greedy(hf, prompt: torch.Tensor, steps: int) -> list[int]:
-    cache, ids, out = DynamicCache(), prompt, []
-    with torch.no_grad():
-        for _ in range(steps):
-            ids = hf(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            out.append(int(ids))
-    return out
-
-
-def _our_greedy(model, cfg, prompt: torch.Tensor, steps: int) -> list[int]:
-    cache = KVCache.growing(cfg, 1, 256, torch.float32, "cpu", chunk_tokens=16)
-    ids, pos, out = prompt, 0, []
-    for _ in range(steps):
-        logits, _ = model(ids, pos, cache, logit_rows=1)
-        pos += ids.shape[1]
-        cache.commit(pos)
-        ids = logits.argmax(-1)
-        out.append(int(ids))
-    return out
-
-
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))  # [2, 24]
 
 
@@ -57,14 +36,14 @@ def test_logits_and_greedy_match_transformers_at_every_residency(pair):
     with torch.no_grad():
         ref = hf(TOKENS).logits
     prompt = TOKENS[:1, :8]
-    want = _hf_greedy(hf, prompt, 64)
+    want = hf_greedy(hf, prompt, 64)
     outputs = {}
     for name, resident in FRACTIONS.items():
         cache = loaded.model.set_expert_cache(resident)
         logits, _ = loaded.model(TOKENS, 0, KVCache.growing(loaded.config, 2, 64, torch.float32, "cpu"))
         assert _rel(logits, ref) <= 1e-4, name
         outputs[name] = logits
-        assert _our_greedy(loaded.model, loaded.config, prompt, 64) == want, name
+        assert our_greedy(loaded.model, loaded.config, prompt, 64) == want, name
         if resident < TOTAL:
             assert cache.misses > 0  # the small caches really evicted and uploaded
     # Numerics do not depend on residency: bit-equal logits whatever was resident.
