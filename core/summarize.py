@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from draftflow.core.errors import DraftflowError
-from draftflow.core.tracing import RequestStats
+from draftflow.core.tracing import CYCLE_FIELDS, RequestStats
 
 
 def read_trace(path: Path | str) -> tuple[list[dict], list[dict]]:
@@ -44,6 +44,11 @@ def summarize(cycles: list[dict], requests: list[dict]) -> dict:
     out["accept_length_histogram"] = dict(sorted(Counter(len(c["emitted"]) for c in cycles).items()))
     for key in ("draft_ms", "verify_ms", "commit_ms"):
         out[f"mean_{key}"] = round(sum(c.get(key, 0.0) for c in cycles) / len(cycles), 4)
+    # Node-contributed numeric fields (Node.cycle_fields, e.g. the MoE target's expert counters): totals.
+    extra = sorted({k for c in cycles for k, v in c.items() if k not in CYCLE_FIELDS and k not in ("event", "level",
+                    "timestamp") and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    if extra:
+        out["node_field_totals"] = {k: sum(c.get(k, 0) for c in cycles) for k in extra}
     if requests:
         out["mean_tokens_per_s"] = round(sum(r["tokens_per_s"] for r in requests) / len(requests), 3)
         out["mean_ttft_s"] = round(sum(r["ttft_s"] for r in requests) / len(requests), 6)
@@ -59,6 +64,13 @@ def render(summary: dict) -> str:
         "accept-length histogram " + ", ".join(f"{k}: {v}" for k, v in summary["accept_length_histogram"].items()),
         f"mean ms per cycle: draft {summary['mean_draft_ms']:.3f}, verify {summary['mean_verify_ms']:.3f}, commit {summary['mean_commit_ms']:.3f}",
     ]
+    totals = summary.get("node_field_totals", {})
+    if "expert_hits" in totals and "expert_misses" in totals:
+        seen = totals["expert_hits"] + totals["expert_misses"]
+        lines.append(f"expert cache: {totals['expert_hits']} hits, {totals['expert_misses']} misses (hit rate "
+                     f"{totals['expert_hits'] / max(seen, 1):.3f}), {totals.get('expert_upload_bytes', 0) / 2**20:.1f} MiB uploaded")
+    elif totals:
+        lines.append("node fields (summed) " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     if "mean_tokens_per_s" in summary:
         lines.append(f"mean tokens/s {summary['mean_tokens_per_s']:.2f}, mean time to first token {summary['mean_ttft_s'] * 1000:.2f} ms")
     return "\n".join(lines)

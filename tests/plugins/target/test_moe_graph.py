@@ -91,3 +91,19 @@ def test_cycle_events_carry_expert_cache_fields(pair, tmp_path, registry):
     target = ex.nodes["target"]
     assert target.runner is None and target.model.expert_cache.resident == 12
     assert isinstance(target.model.expert_cache.slot_gate_up, torch.Tensor)
+
+
+def test_trace_summarize_totals_the_expert_fields(pair, tmp_path):
+    """`draftflow trace summarize` on an MoE run's trace prints the expert-cache totals the cycle events carry."""
+    import json
+
+    graph = write_moe_graph(tmp_path / "g.yaml", *pair, expert_cache=24)
+    trace = tmp_path / "t.jsonl"
+    r = run_cli(["generate", "--graph", graph, "--prompt-ids", "3,4,5,6", "--max-new-tokens", "12", "--trace", trace])
+    assert r.returncode == 0, r.stderr
+    cycles = [e for e in map(json.loads, trace.read_text().splitlines()) if e["event"] == "draft_cycle"]
+    hits, misses = sum(e["expert_hits"] for e in cycles), sum(e["expert_misses"] for e in cycles)
+    assert misses > 0  # a cache of 24 of 144 experts misses: the totals are not trivially zero
+    s = run_cli(["trace", "summarize", trace])
+    assert s.returncode == 0, s.stderr
+    assert f"expert cache: {hits} hits, {misses} misses" in s.stdout, s.stdout
