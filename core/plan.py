@@ -115,7 +115,10 @@ def build_plan(spec: GraphSpec, registry: Registry) -> GraphPlan:
     if manifests:
         plan.vram, vram_problems = plan_vram(manifests, device_budget(spec), spec.max_context)
         for node, message, fix in vram_problems:
-            plan.problem(node, "vram", message, fix, where=spec.at("vram_budget"))
+            # A node's pinned expert_cache that cannot work is that param's problem; the rest is the budget's.
+            param = node and message.startswith("expert_cache=")
+            where = spec.at("nodes", node, "params", "expert_cache") if param else spec.at("vram_budget")
+            plan.problem(node, "vram", message, fix, where=where)
         for info in plan.buffers.values():
             owner = plan.nodes.get(info.owners[0]) if info.owners else None
             spec_b = next((b for b in owner.manifest.owns if b.name == info.name), None) if owner else None

@@ -71,7 +71,10 @@ def test_budget_below_the_minimum_expert_cache_is_one_clear_error(pair, tmp_path
     assert "the expert cache fits only 1 experts" in problem.message and "12 needed" in problem.message
     assert "raise vram_budget by" in problem.fix
     low = _plan(write_moe_graph(tmp_path / "low.yaml", *pair, expert_cache=5), registry)
-    assert any("expert_cache=5 is below the minimum of 12" in p.message for p in low.problems)
+    [below] = [p for p in low.problems if "expert_cache=5 is below the minimum of 12" in p.message]
+    line = next(i for i, text in enumerate((tmp_path / "low.yaml").read_text().splitlines(), 1) if "expert_cache" in text)
+    col = (tmp_path / "low.yaml").read_text().splitlines()[line - 1].index("expert_cache") + 1
+    assert below.where.endswith(f":{line}:{col}"), below.where  # points at the param, not at vram_budget
 
 
 def test_cycle_events_carry_expert_cache_fields(pair, tmp_path, registry):
