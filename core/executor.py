@@ -18,7 +18,7 @@ import torch
 
 from draftflow.core.errors import OwnershipError, RequestError
 from draftflow.core.manifest import DTYPES
-from draftflow.core.node import CommitInfo, NodeContext, RequestState, SamplingParams
+from draftflow.core.node import CommitInfo, Node, NodeContext, RequestState, SamplingParams
 from draftflow.core.plan import GraphPlan
 from draftflow.core.ports import Verdict
 from draftflow.core.tracing import RequestStats, emit_cycle, emit_request
@@ -83,6 +83,9 @@ class Executor:
         self.measured: dict[str, int] = {}
         self.warnings: list[str] = []
         self._allocate()
+        # Nodes that add fields to the cycle event (override Node.cycle_fields): asked once per cycle.
+        base = Node.cycle_fields
+        self.field_nodes = [n for n in self.order if getattr(type(self.nodes[n]), "cycle_fields", base) is not base]
 
     # --- allocation ---------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -192,9 +195,8 @@ class Executor:
                      "draft_ms": round(sum(times.get(r, 0.0) for r in DRAFT_ROLES), 4),
                      "verify_ms": round(times.get("target", 0.0) + times.get("verifier", 0.0), 4),
                      "commit_ms": round(commit_ms, 4)}
-            for name in self.order:  # node-contributed fields (docs/TRACING.md); core fields win
-                fields = getattr(self.nodes[name], "cycle_fields", None)
-                for key, value in (fields() if fields is not None else {}).items():
+            for name in self.field_nodes:  # node-contributed fields (docs/TRACING.md); core fields win
+                for key, value in self.nodes[name].cycle_fields().items():
                     event.setdefault(key, value)
             if self.hook is not None:
                 emit_cycle(self.hook, event)

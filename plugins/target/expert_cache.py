@@ -135,9 +135,10 @@ class LayerExperts:
         self._note(counts, n)
         rows = x.new_empty(n * k, x.shape[1])  # [N*k, H]: expert output of each (token, k) pair
         pending = [e for e, c in enumerate(counts) if c]
+        routed = len(pending)
         while pending:
             batch, pending = self._make_resident(pending)
-            self._run(x, flat, k, batch, counts, rows, whole=not pending and len(batch) == sum(c > 0 for c in counts))
+            self._run(x, flat, k, batch, counts, rows, whole=len(batch) == routed)
         # A fixed-order reduction over k: the result does not depend on which pass computed a row.
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
