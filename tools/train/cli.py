@@ -36,8 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="*", default=None, help="text files or folders (.py, .txt, .md); default: this "
                    "machine's Python sources, tests excluded")
     p.add_argument("--max-data-mb", type=float, default=16.0, help="read at most this much text")
-    p.add_argument("--labels", choices=("data", "target"), default="data",
-                   help="data: the text's next tokens; target: the target's greedy predictions (distillation)")
+    p.add_argument("--labels", choices=("data", "target", "regenerate"), default="data",
+                   help="data: the text's next tokens; target: the target's greedy predictions (distillation); "
+                   "regenerate: windows whose tail the target wrote greedily (the DFlash paper's recipe)")
+    p.add_argument("--prompt-len", type=int, default=32,
+                   help="regenerate: tokens of text that start each window (the target writes the rest)")
+    p.add_argument("--regen-windows", type=int, default=16384, help="regenerate: windows in the generated pool")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--time-budget-min", type=float, help="end the run (and its LR schedule) after this many minutes")
     p.add_argument("--batch-size", type=int, default=8)
@@ -146,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     eos = loaded.eos_ids[0] if loaded.eos_ids else 0
     data = TokenData.from_texts(texts, tokenizer_encoder(loaded.tokenizer), eos_id=eos, seed=a.seed)
     sampler = WindowSampler(data, a.seq_len, seed=a.seed)
+    labels = a.labels
+    if a.labels == "regenerate":  # labels exact everywhere (MTP) / in the written part (blocks, see min_anchor)
+        labels = "target" if a.recipe == "mtp" else "data"
 
     if a.recipe == "dflash":
         from draftflow.plugins.dflash.model import DFlashModel
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         drafter = DFlashModel(_backbone_config(a, loaded), device=a.device)
         init_weights(drafter, seed=a.seed)
-        recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, a.labels, a.seed)
+        recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, labels, a.seed)
     elif a.recipe == "dflash2":
         from draftflow.plugins.dflash2.config import DFlash2Config
         from draftflow.tools.train.dflash2_recipe import DFlash2Recipe, init_backbone_config, new_drafter
@@ -166,12 +173,20 @@ def main(argv: list[str] | None = None) -> int:
             raise DraftflowError(f"{exc} (the dflash_config keys come from --conv-kernel-size, --conv-group-size, "
                                  "--selector-rank and --selector-top-k)") from None
         drafter = new_drafter(cfg, seed=a.seed, init_from=a.init_from, device=a.device)
-        recipe = DFlash2Recipe(target, drafter, a.anchors, a.gamma, a.labels, a.seed, a.selector_alpha,
+        recipe = DFlash2Recipe(target, drafter, a.anchors, a.gamma, labels, a.seed, a.selector_alpha,
                                a.selector_warmup, a.selector_ramp, a.selector_stop_gradient)
     else:
         from draftflow.tools.train.mtp_recipe import MtpRecipe, new_head
 
-        recipe = MtpRecipe(target, new_head(target, a.seed), a.labels, a.num_draft)
+        recipe = MtpRecipe(target, new_head(target, a.seed), labels, a.num_draft)
+    if a.labels == "regenerate" and a.recipe != "mtp":
+        width = recipe.config.block_size
+        if a.seq_len < a.prompt_len + width:
+            raise DraftflowError(f"--seq-len {a.seq_len} leaves no block of {width} after --prompt-len {a.prompt_len}; "
+                                 f"use --seq-len of at least {a.prompt_len + width} or a shorter --prompt-len")
+        recipe.min_anchor = max(1, a.prompt_len - 1)  # blocks anchored on the last prompt token or later
+    if a.labels == "regenerate":
+        sampler = _regenerated(a, target, sampler)
     bf16 = a.precision == "bf16" or (a.precision == "auto" and torch.device(a.device).type == "cuda")
     opts = TrainOptions(steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                         clip=a.clip, bf16=bf16, eval_every=a.eval_every, eval_windows=a.eval_windows,
@@ -207,6 +222,20 @@ def main(argv: list[str] | None = None) -> int:
             summary["last_parts"] = {k: _mean(p[k] for _, p in result.parts[-10:]) for k in result.parts[0][1]}
         Path(a.summary).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def _regenerated(a, target, sampler):
+    from draftflow.tools.train.regenerate import RegeneratedSampler
+
+    if not 1 <= a.prompt_len < a.seq_len:
+        raise DraftflowError(f"--prompt-len {a.prompt_len} must be at least 1 and below --seq-len {a.seq_len}")
+    if a.regen_windows < 1:
+        raise DraftflowError(f"--regen-windows {a.regen_windows}: give a positive number of windows")
+    t0 = time.perf_counter()
+    regen = RegeneratedSampler(sampler, target, a.prompt_len, a.regen_windows, seed=a.seed)
+    print(f"regenerated {a.regen_windows} windows ({a.prompt_len} text + {a.seq_len - a.prompt_len} target tokens) "
+          f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return regen
 
 
 def _mean(values) -> float:

@@ -5,8 +5,9 @@ a_b .. a_b+B-1 and attends to the projected target features of positions < a_b (
 before its anchor: at inference the anchor's own features do not exist yet) plus the rows
 of its own block, never another block. Row k >= 1 predicts token a+k with weight
 exp(-(k-1)/gamma): early rows decide acceptance, so they count most. Labels are the data
-tokens (`labels="data"`, the paper's recipe on target-regenerated text) or the target's own
-greedy predictions at each position (`labels="target"`, distillation on raw text).
+tokens (`labels="data"`; on windows the target wrote itself, `train/regenerate.py`, that is
+the paper's recipe) or the target's own greedy predictions at each position
+(`labels="target"`, distillation on raw text, exact only for row 1).
 
 The forward reuses the drafter's modules and the same RoPE, norms and projections as the
 inference path in `plugins/dflash/model.py`; `tests/tools/test_train.py` pins that one
@@ -129,6 +130,9 @@ class DFlashRecipe:
             raise ValueError(f"labels {labels!r}: expected 'data' or 'target'")
         self.target, self.module, self.config = target, drafter, drafter.config
         self.num_anchors, self.labels = num_anchors, labels
+        # First anchor position: 1, or the last prompt token of regenerated windows (`regenerate.py`), whose
+        # blocks are the only ones labelled with the target's own chain.
+        self.min_anchor = 1
         self.gamma = gamma or DEFAULT_GAMMA.get(self.config.block_size, 7.0)
         self.generator = torch.Generator().manual_seed(seed + 17)
         k = torch.arange(1, self.config.block_size, dtype=torch.float32)
@@ -137,10 +141,12 @@ class DFlashRecipe:
         self.loss_parts: dict[str, torch.Tensor] = {}
 
     def _anchors(self, bsz: int, seq: int) -> torch.Tensor:
-        width = self.config.block_size
-        span = seq - width  # anchors 1 .. S-W keep every label row inside the window
+        width, lo = self.config.block_size, self.min_anchor
+        span = seq - width - lo + 1  # anchors lo .. S-W keep every label row inside the window
+        if span < 1:
+            raise ValueError(f"windows of {seq} tokens leave no anchor in [{lo}, {seq - width}] for blocks of {width}")
         n = min(self.num_anchors, span)
-        picks = [torch.randperm(span, generator=self.generator)[:n].sort().values + 1 for _ in range(bsz)]
+        picks = [torch.randperm(span, generator=self.generator)[:n].sort().values + lo for _ in range(bsz)]
         return torch.stack(picks)  # [B, N]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

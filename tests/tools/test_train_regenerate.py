@@ -1,0 +1,113 @@
+"""`--labels regenerate`: windows the target wrote itself give every block the target's own chain as labels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import ROOT, run_cli
+
+from draftflow.plugins.dflash.model import DFlashModel
+from draftflow.plugins.target.hf_loader import load_hf
+from draftflow.tools.train.data import TokenData, WindowSampler
+from draftflow.tools.train.dflash_recipe import DFlashRecipe, new_config
+from draftflow.tools.train.loop import greedy_continuation, init_weights
+from draftflow.tools.train.regenerate import RegeneratedSampler, regenerate
+
+DEMO = ROOT / "graphs" / "models" / "demo" / "target"
+WIDTH, PROMPT, SEQ = 4, 12, 40
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The shipped demo target (a trained model, so its greedy chain often disagrees with raw text)."""
+    return load_hf(DEMO, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def stream(demo):
+    text = (ROOT / "core" / "executor.py").read_text() + (ROOT / "core" / "registry.py").read_text()
+    ids = [e.ids for e in demo.tokenizer.encode_batch([text], add_special_tokens=False)][0]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _recipe(model, labels: str, min_anchor: int) -> DFlashRecipe:
+    cfg = new_config(model, num_layers=1, block_size=WIDTH, tap_layers=(1, 2), mask_token_id=2047)
+    drafter = DFlashModel(cfg)
+    init_weights(drafter, seed=1)
+    recipe = DFlashRecipe(model, drafter, num_anchors=6, labels=labels, seed=2)
+    recipe.min_anchor = min_anchor
+    return recipe
+
+
+def _chain_mismatches(model, windows: torch.Tensor, recipe: DFlashRecipe) -> tuple[int, int]:
+    """(blocks whose labels differ from the target's greedy chain after their anchor, blocks checked)."""
+    state = recipe.generator.get_state()
+    with torch.no_grad():
+        blocks = recipe.forward_blocks(windows)
+    recipe.generator.set_state(state)
+    anchors = recipe._anchors(*windows.shape)  # the same draws forward_blocks made
+    bad = total = 0
+    for b in range(windows.shape[0]):
+        for j, a in enumerate(anchors[b].tolist()):
+            chain, _ = greedy_continuation(model, windows[b:b + 1, :a + 1], WIDTH - 1, (1,))
+            bad += int(not torch.equal(chain, blocks.labels[b, j]))
+            total += 1
+    return bad, total
+
+
+def test_regenerated_tail_is_the_targets_greedy_continuation(demo, stream):
+    """Each pool row is its text prompt followed by exactly what single-sequence greedy decoding writes."""
+    prompts = torch.stack([stream[s:s + PROMPT] for s in (0, 50, 333)])
+    rows = regenerate(demo.model, prompts, SEQ, batch_size=2)  # two batches: 2 + 1 rows
+    assert rows.shape == (3, SEQ) and torch.equal(rows[:, :PROMPT], prompts)
+    for r in range(3):
+        chain, _ = greedy_continuation(demo.model, prompts[r:r + 1], SEQ - PROMPT, (1,))
+        assert torch.equal(rows[r, PROMPT:], chain), r
+
+
+def test_block_labels_follow_the_targets_chain_only_when_regenerated(demo, stream):
+    """Regenerated windows: every block's labels are the target's chain from its anchor. Raw text with the
+    target's per-position predictions (`--labels target`): rows >= 2 are not, for some blocks."""
+    data = TokenData(stream[:-200], stream[-200:], 1, 0)
+    regen = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, PROMPT, windows=8, seed=0)
+    windows = regen.batch(3)
+    assert regen.pool.shape == (8, SEQ) and all((regen.pool == w).all(1).any() for w in windows)
+    bad, total = _chain_mismatches(demo.model, windows, _recipe(demo.model, "data", PROMPT - 1))
+    assert total == 18 and bad == 0
+    raw = torch.stack([stream[s:s + SEQ] for s in (0, 100, 200)])
+    bad, total = _chain_mismatches(demo.model, raw, _recipe(demo.model, "target", 1))
+    assert bad > 0, "raw-text target labels happened to follow the chain everywhere; pick other windows"
+
+
+def test_anchors_start_at_the_last_prompt_token(demo):
+    recipe = _recipe(demo.model, "data", PROMPT - 1)
+    anchors = recipe._anchors(50, SEQ)
+    assert int(anchors.min()) == PROMPT - 1 and int(anchors.max()) == SEQ - WIDTH
+    recipe.min_anchor = SEQ
+    with pytest.raises(ValueError, match="no anchor"):
+        recipe._anchors(1, SEQ)
+
+
+def test_cli_trains_dflash_on_regenerated_windows(tmp_path):
+    """`draftflow train dflash --labels regenerate` regenerates the pool, trains, lowers the loss, writes the drafter."""
+    summary = tmp_path / "s.json"
+    r = run_cli(["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core",
+                 "--labels", "regenerate", "--prompt-len", "16", "--regen-windows", "64", "--steps", "30",
+                 "--seq-len", "48", "--batch-size", "8", "--block-size", "4", "--layers", "1", "--anchors", "8",
+                 "--eval-every", "0", "--eval-windows", "2", "--save-every", "0", "--lr", "3e-3", "--warmup", "0.1",
+                 "--max-data-mb", "0.2", "--device", "cpu", "--summary", summary])
+    assert r.returncode == 0, r.stderr
+    assert "regenerated 64 windows (16 text + 32 target tokens)" in r.stderr
+    s = json.loads(summary.read_text())
+    assert s["steps"] == 30 and s["last_loss"] < s["first_loss"] - 0.3, s
+    assert (tmp_path / "d" / "model.safetensors").exists()
+
+
+def test_cli_rejects_a_window_with_no_room_after_the_prompt(tmp_path):
+    r = run_cli(["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core",
+                 "--labels", "regenerate", "--prompt-len", "60", "--seq-len", "64", "--block-size", "8",
+                 "--steps", "1", "--max-data-mb", "0.1", "--device", "cpu"])
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--seq-len 64 leaves no block of 8 after --prompt-len 60" in r.stderr

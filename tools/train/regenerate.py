@@ -1,0 +1,74 @@
+"""Training windows the target wrote itself: `--labels regenerate`.
+
+A drafter is scored at inference against the target's *own* continuation. Trained on raw
+text with the target's greedy prediction at every position (`--labels target`), a block
+row k >= 2 learns "what the target predicts after the text's token a+k-1", a context the
+drafter never sees and that differs from the target's own chain wherever the target
+disagrees with the text. Regenerated windows remove that mismatch (the DFlash paper trains
+on target-regenerated responses): each window keeps its first `prompt_len` tokens of text
+and the rest is the target's greedy continuation, so every block anchored at or after the
+last prompt token has labels that are exactly the target's chain from its anchor.
+
+The pool is generated once, before training (batched greedy decoding through the target's
+inference path), from seeded random starts in the training stream; held-out windows stay
+raw text (the acceptance estimate computes the target's continuation itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.plugins.target.model import TargetModel
+from draftflow.tools.train.data import WindowSampler
+
+
+@torch.no_grad()
+def regenerate(target: TargetModel, prompts: torch.Tensor, length: int, batch_size: int = 512) -> torch.Tensor:
+    """`prompts` [N, P] followed by the target's greedy tokens up to `length` positions: [N, length] int64."""
+    n, p = prompts.shape
+    dev = target.norm.weight.device
+    out = torch.empty(n, length, dtype=torch.long)
+    out[:, :p] = prompts
+    for lo in range(0, n, batch_size):
+        rows = prompts[lo:lo + batch_size].to(dev)  # [b, P]
+        cache = KVCache.from_static(torch.empty(static_shape(target.config, rows.shape[0], length),
+                                                dtype=target.norm.weight.dtype, device=dev))
+        logits, _ = target(rows, 0, cache, logit_rows=1)
+        cache.commit(p)
+        written = []
+        for _ in range(length - p):
+            tok = logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
+            written.append(tok)
+            if len(written) == length - p:
+                break
+            logits, _ = target(tok, cache.length, cache, logit_rows=1)
+            cache.commit(cache.length + 1)
+        if written:
+            out[lo:lo + rows.shape[0], p:] = torch.cat(written, dim=1).cpu()
+    return out
+
+
+class RegeneratedSampler:
+    """Training batches drawn from a pool of regenerated windows; held-out windows from the raw text."""
+
+    def __init__(self, base: WindowSampler, target: TargetModel, prompt_len: int, windows: int, seed: int = 0,
+                 batch_size: int = 512) -> None:
+        seq = base.seq_len
+        if not 1 <= prompt_len < seq:
+            raise ValueError(f"prompt length {prompt_len} must lie in [1, {seq}) (the window length)")
+        self.base, self.seq_len, self.prompt_len = base, seq, prompt_len
+        pick = torch.Generator().manual_seed(seed + 29)
+        stream = base.data.train
+        starts = torch.randint(0, stream.numel() - seq, (windows,), generator=pick)
+        prompts = torch.stack([stream[s:s + prompt_len] for s in starts.tolist()])  # [N, P]
+        self.pool = regenerate(target, prompts, seq, batch_size)  # [N, S]
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, batch_size: int) -> torch.Tensor:
+        # returns: [batch_size, seq_len]
+        rows = torch.randint(0, self.pool.shape[0], (batch_size,), generator=self.generator)
+        return self.pool[rows]
+
+    def held_out(self, count: int, length: int | None = None) -> list[torch.Tensor]:
+        return self.base.held_out(count, length)
