@@ -32,22 +32,20 @@ def stream(demo):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _recipe(model, labels: str, min_anchor: int) -> DFlashRecipe:
+def _recipe(model, labels: str) -> DFlashRecipe:
     cfg = new_config(model, num_layers=1, block_size=WIDTH, tap_layers=(1, 2), mask_token_id=2047)
     drafter = DFlashModel(cfg)
     init_weights(drafter, seed=1)
-    recipe = DFlashRecipe(model, drafter, num_anchors=6, labels=labels, seed=2)
-    recipe.min_anchor = min_anchor
-    return recipe
+    return DFlashRecipe(model, drafter, num_anchors=6, labels=labels, seed=2)
 
 
-def _chain_mismatches(model, windows: torch.Tensor, recipe: DFlashRecipe) -> tuple[int, int]:
+def _chain_mismatches(model, windows: torch.Tensor, recipe: DFlashRecipe, first=None) -> tuple[int, int]:
     """(blocks whose labels differ from the target's greedy chain after their anchor, blocks checked)."""
     state = recipe.generator.get_state()
     with torch.no_grad():
-        blocks = recipe.forward_blocks(windows)
+        blocks = recipe.forward_blocks(windows, first)
     recipe.generator.set_state(state)
-    anchors = recipe._anchors(*windows.shape)  # the same draws forward_blocks made
+    anchors = recipe._anchors(*windows.shape, first)  # the same draws forward_blocks made
     bad = total = 0
     for b in range(windows.shape[0]):
         for j, a in enumerate(anchors[b].tolist()):
@@ -71,35 +69,39 @@ def test_block_labels_follow_the_targets_chain_only_when_regenerated(demo, strea
     """Regenerated windows: every block's labels are the target's chain from its anchor. Raw text with the
     target's per-position predictions (`--labels target`): rows >= 2 are not, for some blocks."""
     data = TokenData(stream[:-200], stream[-200:], 1, 0)
-    regen = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, PROMPT, windows=8, seed=0)
-    windows = regen.batch(3)
-    assert regen.pool.shape == (8, SEQ) and all((regen.pool == w).all(1).any() for w in windows)
-    bad, total = _chain_mismatches(demo.model, windows, _recipe(demo.model, "data", PROMPT - 1))
-    assert total == 18 and bad == 0
+    regen = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=12, seed=0,
+                               batch_size=4)
+    assert regen.pool.shape == (12, SEQ) and len(set(regen.first_anchor.tolist())) > 1  # one P per batch of 4
+    assert 7 <= int(regen.first_anchor.min()) and int(regen.first_anchor.max()) <= 19
+    windows, first = regen.batch(5)
+    assert all((regen.pool == w).all(1).any() for w in windows)
+    bad, total = _chain_mismatches(demo.model, windows, _recipe(demo.model, "data"), first)
+    assert total == 30 and bad == 0
     raw = torch.stack([stream[s:s + SEQ] for s in (0, 100, 200)])
-    bad, total = _chain_mismatches(demo.model, raw, _recipe(demo.model, "target", 1))
+    bad, total = _chain_mismatches(demo.model, raw, _recipe(demo.model, "target"))
     assert bad > 0, "raw-text target labels happened to follow the chain everywhere; pick other windows"
 
 
-def test_anchors_start_at_the_last_prompt_token(demo):
-    recipe = _recipe(demo.model, "data", PROMPT - 1)
-    anchors = recipe._anchors(50, SEQ)
-    assert int(anchors.min()) == PROMPT - 1 and int(anchors.max()) == SEQ - WIDTH
-    recipe.min_anchor = SEQ
+def test_anchors_start_at_each_rows_last_prompt_token(demo):
+    recipe = _recipe(demo.model, "data")
+    first = torch.tensor([PROMPT - 1] * 25 + [PROMPT + 9] * 25)
+    anchors = recipe._anchors(50, SEQ, first)
+    assert int(anchors[:25].min()) == PROMPT - 1 and int(anchors[25:].min()) == PROMPT + 9
+    assert int(anchors.max()) == SEQ - WIDTH and bool((anchors >= first[:, None]).all())
     with pytest.raises(ValueError, match="no anchor"):
-        recipe._anchors(1, SEQ)
+        recipe._anchors(1, SEQ, torch.tensor([SEQ]))
 
 
 def test_cli_trains_dflash_on_regenerated_windows(tmp_path):
     """`draftflow train dflash --labels regenerate` regenerates the pool, trains, lowers the loss, writes the drafter."""
     summary = tmp_path / "s.json"
     r = run_cli(["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core",
-                 "--labels", "regenerate", "--prompt-len", "16", "--regen-windows", "64", "--steps", "30",
+                 "--labels", "regenerate", "--prompt-len", "12-20", "--regen-windows", "64", "--steps", "30",
                  "--seq-len", "48", "--batch-size", "8", "--block-size", "4", "--layers", "1", "--anchors", "8",
                  "--eval-every", "0", "--eval-windows", "2", "--save-every", "0", "--lr", "3e-3", "--warmup", "0.1",
                  "--max-data-mb", "0.2", "--device", "cpu", "--summary", summary])
     assert r.returncode == 0, r.stderr
-    assert "regenerated 64 windows (16 text + 32 target tokens)" in r.stderr
+    assert "regenerated 64 windows of 48 tokens (12-20 of text, the rest written by the target)" in r.stderr
     s = json.loads(summary.read_text())
     assert s["steps"] == 30 and s["last_loss"] < s["first_loss"] - 0.3, s
     assert (tmp_path / "d" / "model.safetensors").exists()
@@ -111,3 +113,15 @@ def test_cli_rejects_a_window_with_no_room_after_the_prompt(tmp_path):
                  "--steps", "1", "--max-data-mb", "0.1", "--device", "cpu"])
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--seq-len 64 leaves no block of 8 after --prompt-len 60" in r.stderr
+
+
+def test_prompt_range_defaults_leave_room_for_every_anchor():
+    from draftflow.core.errors import DraftflowError
+    from draftflow.tools.train.cli import _prompt_range
+
+    assert _prompt_range(None, 128, 8, 16) == (16, 106)  # 106-1 .. 120: 16 anchors
+    assert _prompt_range("32", 128, 8, 16) == (32, 32) and _prompt_range("16-96", 128, 8, 16) == (16, 96)
+    with pytest.raises(DraftflowError, match="expected a number like 32"):
+        _prompt_range("many", 128, 8, 16)
+    with pytest.raises(DraftflowError, match="1 <= MIN <= MAX"):
+        _prompt_range("40-20", 128, 8, 16)

@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", choices=("data", "target", "regenerate"), default="data",
                    help="data: the text's next tokens; target: the target's greedy predictions (distillation); "
                    "regenerate: windows whose tail the target wrote greedily (the DFlash paper's recipe)")
-    p.add_argument("--prompt-len", type=int, default=32,
-                   help="regenerate: tokens of text that start each window (the target writes the rest)")
+    p.add_argument("--prompt-len", help="regenerate: tokens of text that start a window, N or MIN-MAX (drawn per "
+                   "generation batch); the target writes the rest. Default 16 to the most that leaves --anchors blocks")
     p.add_argument("--regen-windows", type=int, default=16384, help="regenerate: windows in the generated pool")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--time-budget-min", type=float, help="end the run (and its LR schedule) after this many minutes")
@@ -179,14 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         from draftflow.tools.train.mtp_recipe import MtpRecipe, new_head
 
         recipe = MtpRecipe(target, new_head(target, a.seed), labels, a.num_draft)
-    if a.labels == "regenerate" and a.recipe != "mtp":
-        width = recipe.config.block_size
-        if a.seq_len < a.prompt_len + width:
-            raise DraftflowError(f"--seq-len {a.seq_len} leaves no block of {width} after --prompt-len {a.prompt_len}; "
-                                 f"use --seq-len of at least {a.prompt_len + width} or a shorter --prompt-len")
-        recipe.min_anchor = max(1, a.prompt_len - 1)  # blocks anchored on the last prompt token or later
     if a.labels == "regenerate":
-        sampler = _regenerated(a, target, sampler)
+        width = recipe.config.block_size if a.recipe != "mtp" else 2
+        sampler = _regenerated(a, target, sampler, width, a.anchors if a.recipe != "mtp" else 1)
     bf16 = a.precision == "bf16" or (a.precision == "auto" and torch.device(a.device).type == "cuda")
     opts = TrainOptions(steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                         clip=a.clip, bf16=bf16, eval_every=a.eval_every, eval_windows=a.eval_windows,
@@ -224,17 +219,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _regenerated(a, target, sampler):
+def _prompt_range(text: str | None, seq: int, width: int, anchors: int) -> tuple[int, int]:
+    """--prompt-len N or MIN-MAX; every window must keep room for a block of `width` after its prompt."""
+    most = seq - width + 1  # the last prompt token anchors a block whose rows end the window
+    if text is None:
+        lo, hi = min(16, most), max(min(16, most), seq - width - anchors + 2)
+    else:
+        try:
+            lo, _, hi = text.partition("-")
+            lo, hi = int(lo), int(hi or lo)
+        except ValueError:
+            raise DraftflowError(f"--prompt-len {text!r}: expected a number like 32 or a range like 16-96") from None
+    if not 1 <= lo <= hi:
+        raise DraftflowError(f"--prompt-len {text}: give 1 <= MIN <= MAX")
+    if hi > most:
+        raise DraftflowError(f"--seq-len {seq} leaves no block of {width} after --prompt-len {hi}; use --seq-len of "
+                             f"at least {hi + width - 1} or prompts of at most {most} tokens")
+    return lo, hi
+
+
+def _regenerated(a, target, sampler, width: int, anchors: int):
     from draftflow.tools.train.regenerate import RegeneratedSampler
 
-    if not 1 <= a.prompt_len < a.seq_len:
-        raise DraftflowError(f"--prompt-len {a.prompt_len} must be at least 1 and below --seq-len {a.seq_len}")
+    lo, hi = _prompt_range(a.prompt_len, a.seq_len, width, anchors)
     if a.regen_windows < 1:
         raise DraftflowError(f"--regen-windows {a.regen_windows}: give a positive number of windows")
     t0 = time.perf_counter()
-    regen = RegeneratedSampler(sampler, target, a.prompt_len, a.regen_windows, seed=a.seed)
-    print(f"regenerated {a.regen_windows} windows ({a.prompt_len} text + {a.seq_len - a.prompt_len} target tokens) "
-          f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    regen = RegeneratedSampler(sampler, target, (lo, hi), a.regen_windows, seed=a.seed)
+    print(f"regenerated {a.regen_windows} windows of {a.seq_len} tokens ({lo}-{hi} of text, the rest written by the "
+          f"target) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return regen
 
 

@@ -124,9 +124,9 @@ class DFlash2Recipe(DFlashRecipe):
         ce = F.cross_entropy(scores.float(), slot, reduction="none").view_as(blocks.labels)
         return self.decayed_mean(ce), inside.float().mean()
 
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        # tokens: [B, S]
-        blocks = self.forward_blocks(tokens)
+    def loss(self, tokens: torch.Tensor, first_anchor: torch.Tensor | None = None) -> torch.Tensor:
+        # tokens: [B, S]; first_anchor: [B] or None, as DFlashRecipe.loss
+        blocks = self.forward_blocks(tokens, first_anchor)
         token, (selector, recall) = self.token_loss(blocks), self.selector_loss(blocks)
         self.loss_parts = {"token_loss": token.detach(), "selector_loss": selector.detach(), "recall": recall}
         return token + self.selector_weight() * selector

@@ -130,9 +130,6 @@ class DFlashRecipe:
             raise ValueError(f"labels {labels!r}: expected 'data' or 'target'")
         self.target, self.module, self.config = target, drafter, drafter.config
         self.num_anchors, self.labels = num_anchors, labels
-        # First anchor position: 1, or the last prompt token of regenerated windows (`regenerate.py`), whose
-        # blocks are the only ones labelled with the target's own chain.
-        self.min_anchor = 1
         self.gamma = gamma or DEFAULT_GAMMA.get(self.config.block_size, 7.0)
         self.generator = torch.Generator().manual_seed(seed + 17)
         k = torch.arange(1, self.config.block_size, dtype=torch.float32)
@@ -140,28 +137,32 @@ class DFlashRecipe:
         # Named parts of the last `loss` (detached), logged by the training loop; DFlash has only the one loss.
         self.loss_parts: dict[str, torch.Tensor] = {}
 
-    def _anchors(self, bsz: int, seq: int) -> torch.Tensor:
-        width, lo = self.config.block_size, self.min_anchor
-        span = seq - width - lo + 1  # anchors lo .. S-W keep every label row inside the window
-        if span < 1:
-            raise ValueError(f"windows of {seq} tokens leave no anchor in [{lo}, {seq - width}] for blocks of {width}")
-        n = min(self.num_anchors, span)
-        picks = [torch.randperm(span, generator=self.generator)[:n].sort().values + lo for _ in range(bsz)]
+    def _anchors(self, bsz: int, seq: int, first: torch.Tensor | None = None) -> torch.Tensor:
+        """N sorted anchors per row in [first, S-W] (first: [B], default 1; every label row stays in the window)."""
+        width = self.config.block_size
+        lows = [1] * bsz if first is None else [max(1, int(f)) for f in first]
+        spans = [seq - width - lo + 1 for lo in lows]
+        if min(spans) < 1:
+            raise ValueError(f"windows of {seq} tokens leave no anchor in [{max(lows)}, {seq - width}] for blocks of "
+                             f"{width}")
+        n = min(self.num_anchors, min(spans))
+        picks = [torch.randperm(span, generator=self.generator)[:n].sort().values + lo for span, lo in zip(spans, lows)]
         return torch.stack(picks)  # [B, N]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens, self.target.embed_tokens.weight)
         return x * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else x
 
-    def forward_blocks(self, tokens: torch.Tensor) -> Blocks:
-        """Random anchors, one drafter forward over all their blocks, unary logits and labels."""
+    def forward_blocks(self, tokens: torch.Tensor, first_anchor: torch.Tensor | None = None) -> Blocks:
+        """Random anchors (at or after `first_anchor` [B] when given), one drafter forward over all their blocks,
+        unary logits and labels."""
         # tokens: [B, S]
         cfg, width = self.config, self.config.block_size
         bsz, seq = tokens.shape
         with torch.no_grad():
             rows = None if self.labels == "target" else 0  # 0: no logits, features only
             logits, feats = self.target(tokens, 0, WindowKV(), logit_rows=rows, tap_layers=cfg.target_layer_ids)
-        anchors = self._anchors(bsz, seq).to(tokens.device)  # [B, N]
+        anchors = self._anchors(bsz, seq, first_anchor).to(tokens.device)  # [B, N]
         n = anchors.shape[1]
         block = torch.full((bsz, n, width), cfg.mask_token_id, dtype=torch.long, device=tokens.device)
         block[:, :, 0] = tokens.gather(1, anchors)
@@ -184,9 +185,9 @@ class DFlashRecipe:
         w = self.row_weight.to(per_row.device).expand_as(per_row)
         return (per_row * w).sum() / w.sum()
 
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        # tokens: [B, S]
-        return self.token_loss(self.forward_blocks(tokens))
+    def loss(self, tokens: torch.Tensor, first_anchor: torch.Tensor | None = None) -> torch.Tensor:
+        # tokens: [B, S]; first_anchor: [B] first position a block may be anchored at (regenerated windows)
+        return self.token_loss(self.forward_blocks(tokens, first_anchor))
 
     def draft_rows(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and unary logits of K draft rows after the anchor prefix[-1], through the inference path."""

@@ -2,7 +2,8 @@
 
 A recipe is an object with
 - `module`: the trainable `nn.Module` (only its parameters with `requires_grad` are optimised);
-- `loss(tokens [B, S]) -> scalar tensor`;
+- `loss(tokens [B, S], first_anchor=None) -> scalar tensor`: the sampler's `batch(n)` returns tokens, or
+  `(tokens, first_anchor [B])` (regenerated windows: the first position whose continuation the target wrote);
 - `evaluate(windows: list[Tensor]) -> dict[str, float]` (held-out numbers, printed as training goes);
 and optionally
 - `loss_parts: dict[str, Tensor]`: named parts of the last loss, recorded every step (`TrainResult.parts`);
@@ -193,11 +194,13 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         factor = lr_factor(fraction(), opts.warmup)
         for g in opt.param_groups:
             g["lr"] = opts.lr * factor
-        tokens = sampler.batch(opts.batch_size).to(opts.device)  # [B, S]
+        batch = sampler.batch(opts.batch_size)
+        tokens, first = batch if isinstance(batch, tuple) else (batch, None)  # [B, S], [B] or None
+        tokens = tokens.to(opts.device)
         if hasattr(recipe, "progress"):
             recipe.progress = fraction()
         with _autocast(opts):
-            loss = recipe.loss(tokens)
+            loss = recipe.loss(tokens) if first is None else recipe.loss(tokens, first_anchor=first)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, opts.clip)

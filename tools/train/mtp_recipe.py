@@ -47,8 +47,9 @@ class MtpRecipe:
         self.target, self.module, self.labels, self.num_draft = target, head, labels, num_draft
         self.last = target.config.num_layers - 1
 
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        # tokens: [B, S]
+    def loss(self, tokens: torch.Tensor, first_anchor: torch.Tensor | None = None) -> torch.Tensor:
+        # tokens: [B, S]; first_anchor (regenerated windows) is not needed: with labels="target" every position's
+        # label is the target's own prediction given exactly the tokens the head sees
         with torch.no_grad():
             rows = None if self.labels == "target" else 0
             logits, hidden = self.target(tokens, 0, WindowKV(), logit_rows=rows, tap_layers=(self.last,))  # h: [B, S, H]

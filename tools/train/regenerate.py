@@ -5,9 +5,11 @@ text with the target's greedy prediction at every position (`--labels target`), 
 row k >= 2 learns "what the target predicts after the text's token a+k-1", a context the
 drafter never sees and that differs from the target's own chain wherever the target
 disagrees with the text. Regenerated windows remove that mismatch (the DFlash paper trains
-on target-regenerated responses): each window keeps its first `prompt_len` tokens of text
-and the rest is the target's greedy continuation, so every block anchored at or after the
-last prompt token has labels that are exactly the target's chain from its anchor.
+on target-regenerated responses): each window keeps its first P tokens of text and the
+rest is the target's greedy continuation, so every block anchored at or after the last
+prompt token (`first_anchor` = P-1) has labels that are exactly the target's chain from
+its anchor. P is drawn per generation batch from a range, so blocks see both long real
+contexts (as right after a user's prompt) and long self-written ones (later in a reply).
 
 The pool is generated once, before training (batched greedy decoding through the target's
 inference path), from seeded random starts in the training stream; held-out windows stay
@@ -50,25 +52,32 @@ def regenerate(target: TargetModel, prompts: torch.Tensor, length: int, batch_si
 
 
 class RegeneratedSampler:
-    """Training batches drawn from a pool of regenerated windows; held-out windows from the raw text."""
+    """Training batches `(tokens [B, S], first_anchor [B])` from a pool of regenerated windows; held-out windows
+    from the raw text."""
 
-    def __init__(self, base: WindowSampler, target: TargetModel, prompt_len: int, windows: int, seed: int = 0,
-                 batch_size: int = 512) -> None:
-        seq = base.seq_len
-        if not 1 <= prompt_len < seq:
-            raise ValueError(f"prompt length {prompt_len} must lie in [1, {seq}) (the window length)")
-        self.base, self.seq_len, self.prompt_len = base, seq, prompt_len
+    def __init__(self, base: WindowSampler, target: TargetModel, prompt_len: tuple[int, int], windows: int,
+                 seed: int = 0, batch_size: int = 512) -> None:
+        seq, (lo, hi) = base.seq_len, prompt_len
+        if not 1 <= lo <= hi < seq:
+            raise ValueError(f"prompt lengths {lo}..{hi} must lie in [1, {seq}) (the window length)")
+        self.base, self.seq_len = base, seq
         pick = torch.Generator().manual_seed(seed + 29)
         stream = base.data.train
-        starts = torch.randint(0, stream.numel() - seq, (windows,), generator=pick)
-        prompts = torch.stack([stream[s:s + prompt_len] for s in starts.tolist()])  # [N, P]
-        self.pool = regenerate(target, prompts, seq, batch_size)  # [N, S]
+        rows, firsts = [], []
+        for start in range(0, windows, batch_size):
+            n = min(batch_size, windows - start)
+            p = int(torch.randint(lo, hi + 1, (1,), generator=pick))
+            starts = torch.randint(0, stream.numel() - seq, (n,), generator=pick)
+            prompts = torch.stack([stream[s:s + p] for s in starts.tolist()])  # [n, P]
+            rows.append(regenerate(target, prompts, seq, batch_size))
+            firsts.append(torch.full((n,), p - 1, dtype=torch.long))
+        self.pool, self.first_anchor = torch.cat(rows), torch.cat(firsts)  # [N, S], [N]
         self.generator = torch.Generator().manual_seed(seed)
 
-    def batch(self, batch_size: int) -> torch.Tensor:
-        # returns: [batch_size, seq_len]
+    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # returns: [batch_size, seq_len] tokens, [batch_size] first anchor positions
         rows = torch.randint(0, self.pool.shape[0], (batch_size,), generator=self.generator)
-        return self.pool[rows]
+        return self.pool[rows], self.first_anchor[rows]
 
     def held_out(self, count: int, length: int | None = None) -> list[torch.Tensor]:
         return self.base.held_out(count, length)
