@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     for temp in a.temperatures:
         base = None
         print(f"\ntemperature {temp:g}")
-        print(f"{'drafter':<24}{'tau':>7}{'accept':>9}{'per-position (1..K)':>24}{'tok/s':>9}{'speedup':>9}")
+        width = max(24, 5 * a.num_draft + 3)  # "0.55 " per position
+        print(f"{'drafter':<24}{'tau':>7}{'accept':>9}{'per-position (1..K)':>{width}}{'tok/s':>9}{'speedup':>9}")
         rows = [(name, lambda s=session, t=temp: run_config(s, prompts, t, a.max_new_tokens))
                 for name, session in sessions.items()]
         rows += [(name, lambda p=pair, t=temp: run_peer(p, prompts, t, a.max_new_tokens, a.num_draft))
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             r["speedup"] = round(r["tokens_per_s"] / base, 3)
             results[f"{name} @ T={temp:g}"] = r
             pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
-            print(f"{name:<24}{r['tau']:>7.2f}{r['acceptance_rate']:>9.3f}{pos:>24}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
+            print(f"{name:<24}{r['tau']:>7.2f}{r['acceptance_rate']:>9.3f}{pos:>{width}}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     if a.plot:
