@@ -146,23 +146,33 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     if a.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key, r in results.items():
-            if r["per_position_acceptance"]:
-                ax.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"], marker="o", label=key)
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance")
-        ax.set_ylim(0, 1)
-        ax.set_title("HumanEval, demo pair: per-position acceptance")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
+        plot_per_position(results, a.plot, a.num_draft)
     return 0
+
+
+def plot_per_position(results: dict, path, num_draft: int) -> None:
+    """Per-position acceptance of every row (`results` as written by --json) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours, temps = {}, sorted({key.rsplit(" @ T=", 1)[1] for key in results})
+    for key, r in results.items():
+        if r["per_position_acceptance"]:
+            name, temp = key.rsplit(" @ T=", 1)  # one colour per drafter, one line style per temperature
+            colour = colours.setdefault(name, f"C{len(colours) % 10}")
+            ax.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"], marker="o",
+                    color=colour, linestyle=("-", "--", ":", "-.")[temps.index(temp) % 4], label=key)
+    ax.set_xticks(range(1, num_draft + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1)
+    ax.set_title("HumanEval, demo pair: per-position acceptance")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _peers(demo: Path, device: str, wanted: bool) -> dict:

@@ -8,7 +8,7 @@
    excluded) train a byte-level BPE tokenizer (tools/tiny_model's, plus a `<|mask|>` token for
    DFlash) and a 4-layer Qwen3 model from scratch (causal LM loss, the shared training loop).
 2. dflash / dflash2 / mtp: `draftflow train dflash|dflash2|mtp` against that frozen target, on
-   the same text. DFlash2 gets DFlash's shape and recipe (trained from scratch, so the two are
+   the same text (block drafters on windows the target regenerated, `--labels regenerate`). DFlash2 gets DFlash's shape and recipe (trained from scratch, so the two are
    compared at equal budgets) plus its selector (rank 64: the demo vocabulary is 2,048).
 
 Everything is bounded in wall time (CPU budgets), so the result depends on the machine's
@@ -106,10 +106,12 @@ def make_drafter(kind: str, out: Path, work: Path, minutes: float, seed: int, su
     args = [kind, "--target", str(out / "target"), "--out", str(out / kind), "--checkpoint", str(work / f"{kind}.pt"),
             "--resume", "--time-budget-min", str(minutes), "--steps", "100000", "--seed", str(seed),
             "--max-data-mb", "8", "--summary", str(work / f"{kind}.json"), "--device", device, "--seq-len", "128",
-            "--batch-size", str(batch_size), "--lr", "3e-3", "--labels", "target", "--eval-every", "100",
-            "--save-every", "50"]
-    if kind in ("dflash", "dflash2"):
-        args += ["--gguf", str(work / f"{kind}.gguf"), "--layers", "2", "--block-size", "8", "--anchors", "16"]
+            "--batch-size", str(batch_size), "--lr", "3e-3", "--eval-every", "100", "--save-every", "50"]
+    if kind == "mtp":
+        args += ["--labels", "target"]
+    else:  # blocks need the target's own chain as labels (docs/TRAINING.md)
+        args += ["--labels", "regenerate", "--regen-windows", "32768", "--gguf", str(work / f"{kind}.gguf"),
+                 "--layers", "2", "--block-size", "8", "--anchors", "16"]
     if kind == "dflash2":
         args += ["--selector-rank", "64", "--selector-top-k", "16", "--conv-kernel-size", "2", "--conv-group-size", "16"]
     code = train_main(args)
