@@ -125,3 +125,22 @@ def test_prompt_range_defaults_leave_room_for_every_anchor():
         _prompt_range("many", 128, 8, 16)
     with pytest.raises(DraftflowError, match="1 <= MIN <= MAX"):
         _prompt_range("40-20", 128, 8, 16)
+
+
+def test_held_out_loss_windows_are_regenerated_held_out_prompts(demo, stream):
+    """The held-out loss is taken on held-out prompts continued by the target, blocks after the prompt only."""
+    data = TokenData(stream[:-300], stream[-300:], 1, 0)
+    regen = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=4, seed=0)
+    tokens, first = regen.held_out_loss(3)
+    raw = regen.held_out(3)
+    assert tokens.shape == (3, SEQ) and bool(((first >= 7) & (first <= 19)).all())
+    for i in range(3):
+        p = int(first[i]) + 1
+        assert torch.equal(tokens[i, :p], raw[i][:p])
+        chain, _ = greedy_continuation(demo.model, raw[i][None, :p], SEQ - p, (1,))
+        assert torch.equal(tokens[i, p:], chain)
+    recipe = _recipe(demo.model, "data")
+    out = recipe.evaluate(raw[:1], (tokens, first))
+    assert {"loss", "tau", "acceptance"} <= set(out) and out["loss"] > 0
+    short = RegeneratedSampler(WindowSampler(TokenData(stream[:-30], stream[-30:], 1, 0), SEQ), demo.model, (8, 20), 2)
+    assert short.held_out_loss(3) is None  # held-out text shorter than a window: the raw windows are scored

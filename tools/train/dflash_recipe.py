@@ -207,16 +207,22 @@ class DFlashRecipe:
         # prefix: [1, P]; feats: [1, P, n_taps*H]; returns [K]
         return self.draft_rows(prefix, feats, k)[1].argmax(-1)[0]
 
-    def evaluate(self, windows: list[torch.Tensor]) -> dict[str, float]:
+    def evaluate(self, windows: list[torch.Tensor], loss_windows=None) -> dict[str, float]:
+        """Held-out loss (on `loss_windows` = (tokens [N, S], first_anchor [N]) when given) and acceptance."""
         device = self.target.norm.weight.device  # held-out windows live on the host
         totals: dict[str, float] = {}
-        for w in windows:
-            loss = self.loss(w[None].to(device))
+        if loss_windows is None:
+            scored = [(w[None], None) for w in windows]
+        else:
+            tokens, first = loss_windows
+            scored = [(tokens[i:i + 1], first[i:i + 1]) for i in range(tokens.shape[0])]
+        for w, first in scored:
+            loss = self.loss(w.to(device), first)
             for name, value in {"loss": loss, **self.loss_parts}.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         out = estimate_acceptance(self.target, windows, self.config.target_layer_ids, self.config.block_size - 1,
                                   self.propose)
-        return {name: total / max(1, len(windows)) for name, total in totals.items()} | out
+        return {name: total / max(1, len(scored)) for name, total in totals.items()} | out
 
     def hf_config(self) -> dict:
         return self.config.to_hf_dict()

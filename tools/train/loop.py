@@ -4,7 +4,9 @@ A recipe is an object with
 - `module`: the trainable `nn.Module` (only its parameters with `requires_grad` are optimised);
 - `loss(tokens [B, S], first_anchor=None) -> scalar tensor`: the sampler's `batch(n)` returns tokens, or
   `(tokens, first_anchor [B])` (regenerated windows: the first position whose continuation the target wrote);
-- `evaluate(windows: list[Tensor]) -> dict[str, float]` (held-out numbers, printed as training goes);
+- `evaluate(windows: list[Tensor], loss_windows=None) -> dict[str, float]` (held-out numbers, printed as
+  training goes; `loss_windows` = the sampler's `held_out_loss(n)` when it has one: `(tokens [N, S],
+  first_anchor [N])` to take the held-out loss on, instead of the raw `windows`);
 and optionally
 - `loss_parts: dict[str, Tensor]`: named parts of the last loss, recorded every step (`TrainResult.parts`);
 - `progress: float`: set to the run's completed share before each `loss` (for loss-weight schedules);
@@ -165,6 +167,7 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
     if start_step:
         say(f"{label}: resumed from {opts.checkpoint} at step {start_step}")
     held_out = sampler.held_out(opts.eval_windows)
+    loss_windows = sampler.held_out_loss(opts.eval_windows) if hasattr(sampler, "held_out_loss") else None
 
     def fraction() -> float:
         f = step / opts.steps
@@ -173,7 +176,7 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
     def evaluate() -> None:
         recipe.module.eval()
         with torch.no_grad():
-            result = recipe.evaluate(held_out)
+            result = recipe.evaluate(held_out) if loss_windows is None else recipe.evaluate(held_out, loss_windows)
         recipe.module.train()
         evaluations.append((step, result))
         say(f"{label} step {step}: held-out " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))

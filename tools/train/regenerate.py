@@ -13,7 +13,9 @@ contexts (as right after a user's prompt) and long self-written ones (later in a
 
 The pool is generated once, before training (batched greedy decoding through the target's
 inference path), from seeded random starts in the training stream; held-out windows stay
-raw text (the acceptance estimate computes the target's continuation itself).
+raw text for the acceptance estimate (it computes the target's continuation itself); the
+held-out *loss* is taken on held-out windows regenerated the same way (`held_out_loss`), so
+it measures the objective being trained.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class RegeneratedSampler:
         seq, (lo, hi) = base.seq_len, prompt_len
         if not 1 <= lo <= hi < seq:
             raise ValueError(f"prompt lengths {lo}..{hi} must lie in [1, {seq}) (the window length)")
-        self.base, self.seq_len = base, seq
+        self.base, self.seq_len, self.target, self.prompt_len, self.seed = base, seq, target, (lo, hi), seed
         pick = torch.Generator().manual_seed(seed + 29)
         stream = base.data.train
         rows, firsts = [], []
@@ -81,3 +83,16 @@ class RegeneratedSampler:
 
     def held_out(self, count: int, length: int | None = None) -> list[torch.Tensor]:
         return self.base.held_out(count, length)
+
+    def held_out_loss(self, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The held-out windows regenerated like the pool (held-out text prompts, the target's continuations) and
+        their first anchors: `([N, S], [N])`; None when the held-out text is shorter than one window."""
+        pick = torch.Generator().manual_seed(self.seed + 31)
+        rows, firsts = [], []
+        for w in self.base.held_out(count):
+            if w.numel() != self.seq_len:
+                continue
+            p = int(torch.randint(self.prompt_len[0], self.prompt_len[1] + 1, (1,), generator=pick))
+            rows.append(regenerate(self.target, w[None, :p], self.seq_len)[0])
+            firsts.append(p - 1)
+        return (torch.stack(rows), torch.tensor(firsts)) if rows else None
