@@ -2,7 +2,7 @@
 
     python -m draftflow.tools.make_demo [--out graphs/models/demo] [--work /tmp/draftflow-demo]
                                         [--stage all|target|dflash|dflash2|mtp] [--target-minutes 11]
-                                        [--drafter-minutes 7] [--device cpu|cuda] [--batch-size 8]
+                                        [--drafter-minutes 7] [--device cpu|cuda] [--batch-size 8] [--regen-windows 32768]
 
 1. target: Python sources of this machine (standard library and installed packages, tests
    excluded) train a byte-level BPE tokenizer (tools/tiny_model's, plus a `<|mask|>` token for
@@ -100,7 +100,7 @@ def _mean(losses: list[tuple[int, float]]) -> float:
 
 
 def make_drafter(kind: str, out: Path, work: Path, minutes: float, seed: int, summary: dict, device: str = "cpu",
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, regen_windows: int = 32768) -> None:
     from draftflow.tools.train.cli import main as train_main
 
     args = [kind, "--target", str(out / "target"), "--out", str(out / kind), "--checkpoint", str(work / f"{kind}.pt"),
@@ -110,7 +110,7 @@ def make_drafter(kind: str, out: Path, work: Path, minutes: float, seed: int, su
     if kind == "mtp":
         args += ["--labels", "target"]
     else:  # blocks need the target's own chain as labels (docs/TRAINING.md)
-        args += ["--labels", "regenerate", "--regen-windows", "32768", "--gguf", str(work / f"{kind}.gguf"),
+        args += ["--labels", "regenerate", "--regen-windows", str(regen_windows), "--gguf", str(work / f"{kind}.gguf"),
                  "--layers", "2", "--block-size", "8", "--anchors", "16"]
     if kind == "dflash2":
         args += ["--selector-rank", "64", "--selector-top-k", "16", "--conv-kernel-size", "2", "--conv-group-size", "16"]
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="device of the drafter stages (the target stage runs on the CPU)")
     p.add_argument("--batch-size", type=int, default=8, help="drafter batch size (the GPU run of the card used 64)")
+    p.add_argument("--regen-windows", type=int, default=32768, help="regenerated windows for the block drafters")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     out, work = Path(a.out), Path(a.work)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         summary_file.write_text(json.dumps(summary, indent=2) + "\n")
     for kind in ("dflash", "dflash2", "mtp"):
         if a.stage in ("all", kind):
-            make_drafter(kind, out, work, a.drafter_minutes, a.seed, summary, a.device, a.batch_size)
+            make_drafter(kind, out, work, a.drafter_minutes, a.seed, summary, a.device, a.batch_size, a.regen_windows)
             summary_file.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return 0
