@@ -144,3 +144,16 @@ def test_held_out_loss_windows_are_regenerated_held_out_prompts(demo, stream):
     assert {"loss", "tau", "acceptance"} <= set(out) and out["loss"] > 0
     short = RegeneratedSampler(WindowSampler(TokenData(stream[:-30], stream[-30:], 1, 0), SEQ), demo.model, (8, 20), 2)
     assert short.held_out_loss(3) is None  # held-out text shorter than a window: the raw windows are scored
+
+
+def test_cli_trains_mtp_on_regenerated_windows(tmp_path):
+    """MTP on regenerated windows (labels: the target's predictions, exact at every position) runs and learns."""
+    summary = tmp_path / "s.json"
+    r = run_cli(["train", "mtp", "--target", DEMO, "--out", tmp_path / "m", "--data", ROOT / "core",
+                 "--labels", "regenerate", "--regen-windows", "32", "--steps", "20", "--seq-len", "48",
+                 "--batch-size", "8", "--eval-every", "0", "--eval-windows", "2", "--save-every", "0", "--lr", "3e-3",
+                 "--warmup", "0.1", "--max-data-mb", "0.2", "--device", "cpu", "--summary", summary])
+    assert r.returncode == 0, r.stderr
+    assert "regenerated 32 windows of 48 tokens (16-47 of text" in r.stderr
+    s = json.loads(summary.read_text())
+    assert s["last_loss"] < s["first_loss"] - 0.3 and s["evaluations"][-1][1]["loss"] > 0, s

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     data = TokenData.from_texts(texts, tokenizer_encoder(loaded.tokenizer), eos_id=eos, seed=a.seed)
     sampler = WindowSampler(data, a.seq_len, seed=a.seed)
     labels = a.labels
-    if a.labels == "regenerate":  # labels exact everywhere (MTP) / in the written part (blocks, see min_anchor)
+    if a.labels == "regenerate":  # labels exact everywhere (MTP) / in the written part (blocks: first_anchor)
         labels = "target" if a.recipe == "mtp" else "data"
 
     if a.recipe == "dflash":
