@@ -47,6 +47,7 @@ class Case:
     env: dict = attrs.field(factory=dict)
     stdin: str | None = None
     timeout: float = 90.0
+    lines: int | None = 1  # most stderr lines for exit 1 (a check report lists problems: more); None = no limit
 
 
 def _subst(text: str, tmp: Path) -> str:
@@ -103,8 +104,10 @@ def run_case(case: Case, tmp: Path) -> subprocess.CompletedProcess:
     assert "Traceback" not in out, f"{case.id}: traceback\n{r.stderr[-3000:]}"
     assert r.returncode == case.exit, f"{case.id}: exit {r.returncode}, expected {case.exit} ({took:.1f} s)\n{r.stderr[-3000:]}"
     if case.exit == 1:
-        assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, \
-            f"{case.id}: a user error must be one line 'error: ...', got\n{r.stderr[-3000:]}"
+        assert r.stderr.startswith("error: ") and r.stderr.endswith("\n"), \
+            f"{case.id}: a user error must start 'error: ...', got\n{r.stderr[-3000:]}"
+        assert case.lines is None or r.stderr.count("\n") <= case.lines, \
+            f"{case.id}: a user error must be at most {case.lines} line(s), got\n{r.stderr[-3000:]}"
     elif case.exit == 2:  # argparse usage errors: the usage lines, then 'draftflow ...: error: ...'
         assert r.stderr.rstrip().splitlines()[-1].split(": error: ", 1)[-1], r.stderr
     if case.message:
