@@ -28,6 +28,14 @@ class ParamSpec:
     default: Any = REQUIRED
     help: str = ""
     choices: tuple | None = None
+    minimum: int | float | None = None  # int/float: the smallest value; int_list: of every entry
+
+    def below_minimum(self, value) -> int | float | None:
+        """The first value (or list entry) under ``minimum``, else None."""
+        if self.minimum is None:
+            return None
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        return next((v for v in values if isinstance(v, (int, float)) and v < self.minimum), None)
 
     @property
     def required(self) -> bool:
@@ -94,6 +102,12 @@ def validate_params(schema: tuple[ParamSpec, ...], raw: dict, base_dir: Path | N
             value = _convert(spec, value, base_dir)
         except ValueError as exc:
             problems.append((key, f"parameter {key!r}: {exc}, got {value!r}", f"set {key} to a {spec.type} value"))
+            continue
+        low = spec.below_minimum(value)
+        if low is not None:
+            entry = "an entry " if isinstance(value, tuple) else ""
+            problems.append((key, f"parameter {key!r}: {entry}{low!r} is below the minimum {spec.minimum}",
+                             f"set {key} to {spec.minimum} or more"))
             continue
         if spec.choices is not None and value not in spec.choices:
             choices = ", ".join(map(str, spec.choices))
