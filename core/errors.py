@@ -23,14 +23,24 @@ class PluginError(DraftflowError):
 
 
 class CheckError(DraftflowError):
-    """Raised when static graph checks find problems; carries every problem at once."""
+    """Raised when static graph checks find problems; carries every problem at once.
+
+    The message lists the first ``MAX_SHOWN`` problems in sorted order, then one line
+    saying how many more there are (a generated graph can have hundreds of thousands).
+    """
+
+    MAX_SHOWN = 50
 
     def __init__(self, problems, graph_name: str = "graph"):
         self.problems = sorted(problems)
         self.graph_name = graph_name
         n = len(self.problems)
         head = f"{n} problem{'s' if n != 1 else ''} in {graph_name}:"
-        super().__init__("\n".join([head] + ["  " + p.render() for p in self.problems]))
+        lines = [head] + ["  " + p.render(graph_name) for p in self.problems[:self.MAX_SHOWN]]
+        if n > self.MAX_SHOWN:
+            more = n - self.MAX_SHOWN
+            lines.append(f"  ... and {more} more problem{'s' if more != 1 else ''} (fix the first ones and check again)")
+        super().__init__("\n".join(lines))
 
 
 class ModelFormatError(DraftflowError):

@@ -38,6 +38,19 @@ class ResolvedNode:
     manifest: Manifest
 
 
+@attrs.frozen
+class UnresolvedNode:
+    """A node of a known type whose params or manifest failed: later checks may still read it.
+
+    ``params`` holds the params that validated (the failed ones are absent). A check uses it
+    to say what the failure causes, or to leave out a knock-on problem (see check_capabilities).
+    """
+
+    name: str
+    node_type: NodeType
+    params: dict
+
+
 @attrs.define
 class BufferInfo:
     name: str
@@ -52,6 +65,7 @@ class GraphPlan:
     spec: GraphSpec
     env: Env
     nodes: dict[str, ResolvedNode] = attrs.field(factory=dict)
+    unresolved: dict[str, UnresolvedNode] = attrs.field(factory=dict)
     edges: list[EdgeSpec] = attrs.field(factory=list)
     graph: nx.DiGraph = attrs.field(factory=nx.DiGraph)
     order: list[str] = attrs.field(factory=list)
@@ -106,6 +120,12 @@ def build_plan(spec: GraphSpec, registry: Registry) -> GraphPlan:
     for check in registry.checks:
         try:
             found = list(check.fn(plan) or ())
+        except DraftflowError as exc:  # a user's file the check read is wrong: its message says how
+            plan.problem("", check.name, str(exc), "")
+            continue
+        except OSError as exc:
+            plan.problem("", check.name, _os_message(exc), "make the file readable or point at another one")
+            continue
         except Exception as exc:
             plan.problem("", "check-crashed", f"check {check.name!r} from plugin {check.plugin!r} raised {type(exc).__name__}: {exc}",
                          f"report this to the author of plugin {check.plugin!r}")
@@ -141,11 +161,18 @@ def _resolve_nodes(plan: GraphPlan, registry: Registry) -> None:
             plan.problems.append(Problem(node.name, "param", message, fix, node_type.name,
                                          plan.spec.at("nodes", node.name, "params", field)))
         if issues:
+            plan.unresolved[node.name] = UnresolvedNode(node.name, node_type, params)
             continue
         try:
             manifest = node_type.manifest(params, plan.env)
-        except DraftflowError as exc:
-            plan.problems.append(Problem(node.name, "manifest", str(exc), "correct the node's params", node_type.name, node.where))
+        except DraftflowError as exc:  # the user's params or files: the plugin's message names them and the fix
+            plan.problems.append(Problem(node.name, "manifest", str(exc), "", node_type.name, node.where))
+            plan.unresolved[node.name] = UnresolvedNode(node.name, node_type, params)
+            continue
+        except OSError as exc:  # a file the params name cannot be read (a directory, permissions, a broken link)
+            plan.problems.append(Problem(node.name, "manifest", _os_message(exc), "make the file readable or point params at another one",
+                                         node_type.name, node.where))
+            plan.unresolved[node.name] = UnresolvedNode(node.name, node_type, params)
             continue
         except Exception as exc:
             plan.problems.append(Problem(node.name, "invalid-manifest", f"plugin {node_type.plugin!r} could not declare a manifest: {type(exc).__name__}: {exc}",
@@ -160,6 +187,12 @@ def _resolve_nodes(plan: GraphPlan, registry: Registry) -> None:
                                          f"report this to the author of plugin {node_type.plugin!r}", node_type.name, node.where))
             continue
         plan.nodes[node.name] = ResolvedNode(node.name, node_type, params, manifest)
+
+
+def _os_message(exc: OSError) -> str:
+    """``path: reason`` for an OSError a plugin let through (e.g. 'Permission denied', 'Is a directory')."""
+    what = exc.strerror or type(exc).__name__
+    return f"{exc.filename}: cannot read it ({what})" if exc.filename else f"cannot read a file ({what}: {exc})"
 
 
 def _wire(plan: GraphPlan) -> None:

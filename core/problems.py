@@ -16,9 +16,12 @@ class Problem:
     plugin: str = ""
     where: str = attrs.field(default="", order=False)
 
-    def render(self) -> str:
+    def render(self, source: str = "") -> str:
+        """One line; ``where`` is left out when it is just ``source`` (the report's heading names it)."""
         who = f"node '{self.node}'" if self.node else "graph"
         if self.plugin:
             who += f" ({self.plugin})"
-        prefix = f"{self.where}: " if self.where else ""
-        return f"{prefix}{who} [{self.rule}]: {self.message}; fix: {self.fix}"
+        prefix = f"{self.where}: " if self.where and self.where != source else ""
+        # An empty fix: the message carries its own (a plugin's DraftflowError ends with the fix).
+        fix = f"; fix: {self.fix}" if self.fix else ""
+        return f"{prefix}{who} [{self.rule}]: {self.message}{fix}"

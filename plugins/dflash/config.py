@@ -16,7 +16,8 @@ import attrs
 import torch
 
 from draftflow.core.errors import ModelFormatError
-from draftflow.plugins.target.config import RopeScaling
+from draftflow.plugins.target.config import RopeScaling, _Getter
+from draftflow.plugins.target.config import _rope_scaling as target_rope_scaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # HF module suffix inside `layers.N.` -> shape as a function of the config (see expected_tensors).
@@ -99,57 +100,71 @@ class DFlashConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str) -> DFlashConfig:
         """Build from a z-lab `config.json` dict; `source` names the file in messages."""
-        extra = d.get("dflash_config") or {}
+        if not isinstance(d, dict):
+            raise ModelFormatError(f"{source}: holds a JSON {type(d).__name__}; expected an object of config fields; "
+                                   "point at a z-lab DFlash directory")
+        get = _Getter(d, source)
+        extra = get.mapping("dflash_config")
 
-        def value(key: str, default: Any = None) -> Any:
+        def field(key: str) -> _Getter:
             # z-lab's lookup order: dflash_config first, then the top level.
-            return extra.get(key, d.get(key, default))
+            return get.nested("dflash_config") if extra.get(key) is not None else get
 
-        hidden, heads = _pos_int(d, "hidden_size", source), _pos_int(d, "num_attention_heads", source)
-        layers = _pos_int(d, "num_hidden_layers", source)
+        hidden, heads = get.int("hidden_size"), get.int("num_attention_heads")
+        layers = get.int("num_hidden_layers")
         if d.get("hidden_act", "silu") != "silu":
             raise ModelFormatError(f"{source}: field 'hidden_act' is {d['hidden_act']!r}; expected 'silu'; "
                                    "only SiLU-gated draft MLPs are supported")
         if d.get("attention_bias"):
             raise ModelFormatError(f"{source}: field 'attention_bias' is true; expected false; DFlash artifacts "
                                    "carry no attention biases (11 tensors per layer)")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        n_target = value("num_target_layers")
-        ids = value("target_layer_ids")
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = get.mapping(rope_key)
+        n_target = field("num_target_layers").int("num_target_layers", None)
+        ids = extra.get("target_layer_ids", d.get("target_layer_ids"))
         if ids is None:
-            if not isinstance(n_target, int) or n_target < 4:
+            if n_target is None or n_target < 4:
                 raise ModelFormatError(f"{source}: target_layer_ids is absent and num_target_layers is {n_target!r}; "
                                        "expected one of them; set dflash_config.target_layer_ids")
             ids = default_target_layer_ids(n_target, layers)
-        mask = value("mask_token_id")
+        elif not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ModelFormatError(f"{source}: target_layer_ids is {ids!r}; expected a list of target layer indices; "
+                                   "set dflash_config.target_layer_ids")
+        mask = extra.get("mask_token_id", d.get("mask_token_id"))
         if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
             raise ModelFormatError(f"{source}: mask_token_id is {mask!r}; expected a token id; "
                                    "set dflash_config.mask_token_id")
-        softcap = value("final_logit_softcapping")
+        softcap = extra.get("final_logit_softcapping", d.get("final_logit_softcapping"))
+        softcap = field("final_logit_softcapping").number("final_logit_softcapping") if softcap else None  # 0: none
         layer_types = d.get("layer_types")
+        if layer_types is not None and not isinstance(layer_types, list):
+            raise ModelFormatError(f"{source}: field 'layer_types' is {layer_types!r}; expected a list of layer types; fix the config")
         has_sliding = bool(layer_types) and "sliding_attention" in layer_types
+        is_causal = d.get("is_causal")
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise ModelFormatError(f"{source}: field 'is_causal' is {is_causal!r}; expected true, false or null; fix the config")
         return cls(
             hidden_size=hidden,
-            intermediate_size=_pos_int(d, "intermediate_size", source),
+            intermediate_size=get.int("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(rope, d, source),
-            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-            block_size=int(value("block_size", 16)),
-            target_layer_ids=tuple(int(i) for i in ids),
+            num_kv_heads=get.int("num_key_value_heads", heads),
+            head_dim=get.int("head_dim", hidden // heads),
+            rms_norm_eps=get.number("rms_norm_eps", 1e-6),
+            rope_theta=get.nested(rope_key).number("rope_theta") if "rope_theta" in rope else get.number("rope_theta", 10000.0),
+            rope_scaling=target_rope_scaling(rope, get.nested(rope_key), d, source),
+            max_position_embeddings=get.int("max_position_embeddings", 40960),
+            block_size=field("block_size").int("block_size", 16),
+            target_layer_ids=tuple(ids),
             mask_token_id=mask,
-            num_target_layers=int(n_target) if n_target is not None else None,
-            vocab_size=d.get("vocab_size"),
+            num_target_layers=n_target,
+            vocab_size=get.int("vocab_size", None),
             layer_types=tuple(layer_types or ()),
-            sliding_window=int(d["sliding_window"]) if has_sliding and d.get("sliding_window") else None,
-            is_causal=d.get("is_causal"),
-            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
-            output_multiplier=float(value("output_multiplier", 1.0)),
-            final_logit_softcapping=float(softcap) if softcap else None,
+            sliding_window=get.int("sliding_window") if has_sliding and d.get("sliding_window") else None,
+            is_causal=is_causal,
+            input_embedding_scale=field("input_embedding_scale").number("input_embedding_scale", 1.0),
+            output_multiplier=field("output_multiplier").number("output_multiplier", 1.0),
+            final_logit_softcapping=softcap,
             source=source,
         )
 
@@ -224,23 +239,3 @@ def weight_bytes(cfg: DFlashConfig, dtype: torch.dtype) -> int:
 def kv_shape(cfg: DFlashConfig, capacity) -> tuple:
     """Shape of the drafter's context K/V buffer (the target KVCache layout)."""
     return (cfg.num_layers, 2, 1, capacity, cfg.num_kv_heads, cfg.head_dim)
-
-
-def _pos_int(d: dict[str, Any], key: str, source: str) -> int:
-    value = d.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ModelFormatError(f"{source}: field {key!r} is {value!r}; expected a positive integer; fix the config")
-    return value
-
-
-def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], source: str) -> RopeScaling | None:
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("default", None):
-        return None
-    if kind != "llama3":
-        raise ModelFormatError(f"{source}: field 'rope_type' is {kind!r}; expected 'default' or 'llama3'; "
-                               "other RoPE scalings are not supported")
-    return RopeScaling(rope_type="llama3", factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                       high_freq_factor=float(rope["high_freq_factor"]),
-                       original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
-                                                                     d.get("max_position_embeddings", 8192))))

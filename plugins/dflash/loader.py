@@ -10,7 +10,6 @@ message that says what they are.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -26,6 +25,7 @@ from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.dflash.config import DFlashConfig, expected_tensors
 from draftflow.plugins.dflash.model import DFlashModel
 from draftflow.plugins.target.gguf_loader import LAYER_NAMES
+from draftflow.plugins.target.hf_loader import file_problem, read_json_object
 
 GGUF_ARCH = "dflash"
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -161,6 +161,10 @@ def _read_hf(root: Path) -> Artifact:
                                "download the complete artifact")
     handles, found, file_of = {}, {}, {}
     for file in files:
+        problem = file_problem(file)
+        if problem:
+            raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a safetensors file; "
+                                   "check the path and its permissions")
         try:
             handles[file] = h = safe_open(str(file), framework="pt", device="cpu")
         except Exception as exc:  # noqa: BLE001 - safetensors raises several types on bad bytes
@@ -175,12 +179,9 @@ def _read_hf(root: Path) -> Artifact:
 
 
 def _read_json(file: Path) -> dict[str, Any]:
-    if not file.exists():
+    if not file.exists() and not file.is_symlink():
         raise ModelFormatError(f"{file}: file is missing; expected a z-lab DFlash config.json; point at the drafter directory")
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelFormatError(f"{file}: invalid JSON ({exc}); expected a JSON object; fix or re-download it") from exc
+    return read_json_object(file, "a z-lab DFlash config.json object")
 
 
 # --- GGUF ------------------------------------------------------------------------------------

@@ -65,11 +65,16 @@ class DFlash2Config:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str) -> DFlash2Config:
         """Build from a `config.json` whose `architectures` names DFlash2DraftModel."""
+        if not isinstance(d, dict):
+            raise ModelFormatError(f"{source}: holds a JSON {type(d).__name__}; expected an object of config fields; "
+                                   "point at a DFlash2 directory")
         arch = d.get("architectures") or []
-        if ARCHITECTURE not in arch:
+        if not isinstance(arch, list) or ARCHITECTURE not in arch:
             raise ModelFormatError(f"{source}: architectures is {arch!r}; expected ['{ARCHITECTURE}']; "
                                    "a DFlash (v1) drafter runs with plugin: dflash")
         extra = d.get("dflash_config") or {}
+        if not isinstance(extra, dict):
+            raise ModelFormatError(f"{source}: field 'dflash_config' is {extra!r}; expected an object; fix the config")
         values = {}
         for key in EXTRA_KEYS:
             value = extra.get(key, d.get(key))

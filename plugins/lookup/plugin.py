@@ -22,8 +22,8 @@ from draftflow.core.registry import NodeType
 from draftflow.plugins.lookup.matcher import find_continuation, warm_up
 
 PARAMS = (
-    ParamSpec("min_ngram", "int", 2, "shortest suffix n-gram that counts as a match"),
-    ParamSpec("max_ngram", "int", 5, "longest suffix n-gram tried"),
+    ParamSpec("min_ngram", "int", 2, "shortest suffix n-gram that counts as a match", minimum=1),
+    ParamSpec("max_ngram", "int", 5, "longest suffix n-gram tried", minimum=1),
 )
 # History capacity when the plan sets no KV capacity (no model limit); the array doubles when full.
 DEFAULT_HISTORY = 4096

@@ -26,7 +26,7 @@ _PORT = re.compile(r"^[a-z_][a-z0-9_]*$")
 PARAMS = (
     ParamSpec("inputs", "str_list", ["a", "b"], "names of the proposal input ports, in order of preference"),
     ParamSpec("policy", "str", "first-nonempty", "how to choose among the proposals each cycle", choices=POLICIES),
-    ParamSpec("min_tokens", "int", 1, "first-nonempty: drafts an input needs to be chosen"),
+    ParamSpec("min_tokens", "int", 1, "first-nonempty: drafts an input needs to be chosen", minimum=1),
 )
 
 
@@ -34,8 +34,6 @@ def manifest(params, env) -> Manifest:
     names = params["inputs"]
     if len(names) < 2 or len(set(names)) != len(names) or not all(_PORT.match(n) for n in names):
         raise SpecError(f"inputs {list(names)!r}: need two or more distinct lowercase port names, e.g. [a, b]")
-    if params["min_tokens"] < 1:
-        raise SpecError(f"min_tokens={params['min_tokens']}: must be >= 1 (an empty proposal never counts)")
     return Manifest(role="drafter",
                     inputs=tuple(Port(n, "proposal", doc=f"proposal #{i + 1} in order of preference") for i, n in enumerate(names)),
                     outputs=(Port("proposal", "proposal", doc="the chosen input's proposal, unchanged"),))

@@ -32,7 +32,7 @@ PARAMS = (
                                    "or a standalone MTP safetensors file or directory"),
     ParamSpec("config", "path", "", "config.json (or its directory) describing the model; default: next to path"),
     ParamSpec("layout", "str", "auto", "tensor naming; auto detects it from the checkpoint", choices=("auto",) + LAYOUTS),
-    ParamSpec("prefill_chunk", "int", 512, "pairs per forward when catching up on a prompt"),
+    ParamSpec("prefill_chunk", "int", 512, "pairs per forward when catching up on a prompt", minimum=1),
 )
 
 

@@ -19,10 +19,10 @@ from draftflow.core.ports import Proposal
 from draftflow.core.registry import NodeType
 
 PARAMS = (
-    ParamSpec("reference", "int_list", help="token ids that continue the prompt"),
-    ParamSpec("errors", "int_list", [], "output positions (0-based) whose proposal is wrong"),
-    ParamSpec("wrong_draft_index", "int_list", [], "draft indices made wrong in every cycle"),
-    ParamSpec("vocab", "int", 0, "vocabulary size for wrong tokens (0: any id, wrong = reference + 1)"),
+    ParamSpec("reference", "int_list", help="token ids that continue the prompt", minimum=0),
+    ParamSpec("errors", "int_list", [], "output positions (0-based) whose proposal is wrong", minimum=0),
+    ParamSpec("wrong_draft_index", "int_list", [], "draft indices made wrong in every cycle", minimum=0),
+    ParamSpec("vocab", "int", 0, "vocabulary size for wrong tokens (0: any id, wrong = reference + 1)", minimum=0),
 )
 
 

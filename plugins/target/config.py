@@ -7,6 +7,7 @@ source of truth for which weights a checkpoint must hold and with which shapes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -139,6 +140,9 @@ class TargetConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str) -> TargetConfig:
         """Build from a parsed HF `config.json`; `source` names the file in error messages."""
+        if not isinstance(d, dict):
+            raise ModelFormatError(f"{source}: holds a JSON {type(d).__name__}; expected an object of config fields; "
+                                   "point at a Hugging Face model directory")
         arch = _arch_of(d, source)
         get = _Getter(d, source)
         hidden, heads = get.int("hidden_size"), get.int("num_attention_heads")
@@ -157,10 +161,10 @@ class TargetConfig:
                 "sliding-window attention is not supported, set it to false only if the model was trained without it"
             )
         # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` + `rope_scaling`.
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        bias = bool(d.get("attention_bias", False))
-        eos = d.get("eos_token_id")
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = get.mapping(rope_key)
+        theta = get.nested(rope_key).number("rope_theta") if "rope_theta" in rope else get.number("rope_theta", 10000.0)
+        bias = get.bool("attention_bias", False)
         hybrid = _hybrid_fields(d, get, source) if arch == "qwen3_next" else {}
         if arch == "qwen3_moe":
             from draftflow.plugins.target.moe import moe_fields
@@ -173,18 +177,18 @@ class TargetConfig:
             intermediate_size=get.int("intermediate_size"),
             num_layers=get.int("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=get.int("num_key_value_heads", heads),
+            head_dim=get.int("head_dim", hidden // heads),
+            rms_norm_eps=get.number("rms_norm_eps", 1e-6),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(rope, d, source),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rope_scaling=_rope_scaling(rope, get.nested(rope_key), d, source),
+            max_position_embeddings=get.int("max_position_embeddings", 2048),
+            tie_word_embeddings=get.bool("tie_word_embeddings", False),
             attention_bias=True if arch == "qwen2" else bias,
             o_bias=False if arch == "qwen2" else bias,
             qk_norm=arch in ("qwen3", "qwen3_next", "qwen3_moe"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=normalize_eos(eos),
+            bos_token_id=get.token_id("bos_token_id"),
+            eos_token_ids=get.token_ids("eos_token_id"),
             source=source,
             **hybrid,
         )
@@ -195,14 +199,16 @@ def _hybrid_fields(d: dict[str, Any], get: _Getter, source: str) -> dict[str, An
     layers = get.int("num_hidden_layers")
     types = d.get("layer_types")
     if types is None:  # transformers derives the pattern from the interval (every n-th layer is full attention)
-        interval = int(d.get("full_attention_interval", 4))
+        interval = get.int("full_attention_interval", 4)
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    bad = sorted({t for t in types if t not in LAYER_TYPES})
+    if not isinstance(types, list):
+        raise ModelFormatError(f"{source}: field 'layer_types' is {types!r}; expected a list of layer types; fix the config")
+    bad = sorted({str(t) for t in types if t not in LAYER_TYPES})
     if bad:
         raise ModelFormatError(
             f"{source}: field 'layer_types' holds {bad}; expected only {list(LAYER_TYPES)}; fix the config"
         )
-    rope = d.get("rope_parameters") or {}
+    rope = get.mapping("rope_parameters")
     fields: dict[str, Any] = {}
     if any(_is_sparse(d, i) for i in range(layers)):  # sparse MLPs: the Qwen3-MoE block with a shared expert
         from draftflow.plugins.target.moe import moe_fields
@@ -210,7 +216,8 @@ def _hybrid_fields(d: dict[str, Any], get: _Getter, source: str) -> dict[str, An
         fields = moe_fields(d, source, layers)
     return fields | {
         "layer_types": tuple(types),
-        "partial_rotary_factor": float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
+        "partial_rotary_factor": (get.nested("rope_parameters").number("partial_rotary_factor") if "partial_rotary_factor" in rope
+                                  else get.number("partial_rotary_factor", 0.25)),
         "attn_output_gate": True,
         "norm_offset": True,
         "linear_num_key_heads": get.int("linear_num_key_heads"),
@@ -238,11 +245,14 @@ def normalize_eos(eos: int | list[int] | None) -> tuple[int, ...]:
 
 def _arch_of(d: dict[str, Any], source: str) -> str:
     archs = d.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelFormatError(f"{source}: field 'architectures' is {archs!r}; expected a list such as "
+                               "['Qwen3ForCausalLM']; fix the config")
     if archs:
-        if archs[0] in SUPPORTED_ARCHITECTURES:
+        if isinstance(archs[0], str) and archs[0] in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[archs[0]]
         found = archs[0]
-    elif d.get("model_type") in _MODEL_TYPES:
+    elif isinstance(d.get("model_type"), str) and d["model_type"] in _MODEL_TYPES:
         return _MODEL_TYPES[d["model_type"]]
     else:
         found = d.get("model_type")
@@ -252,7 +262,7 @@ def _arch_of(d: dict[str, Any], source: str) -> str:
     )
 
 
-def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], source: str) -> RopeScaling | None:
+def _rope_scaling(rope: dict[str, Any], get: _Getter, d: dict[str, Any], source: str) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", None):
         return None
@@ -263,28 +273,85 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], source: str) -> RopeS
         )
     return RopeScaling(
         rope_type="llama3",
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
-        ),
+        factor=get.number("factor"),
+        low_freq_factor=get.number("low_freq_factor"),
+        high_freq_factor=get.number("high_freq_factor"),
+        original_max_position_embeddings=(get.int("original_max_position_embeddings") if "original_max_position_embeddings" in rope
+                                          else _Getter(d, source).int("max_position_embeddings", 8192)),
     )
 
 
+_MISSING = object()
+
+
 class _Getter:
-    """Reads required integer fields, raising one-line errors that name the field."""
+    """Reads typed config fields, raising one-line errors that name the file and the field.
 
-    def __init__(self, d: dict[str, Any], source: str) -> None:
-        self._d, self._source = d, source
+    A field given as ``null`` counts as absent (HF writes ``"head_dim": null``); a field
+    without a default must be present.
+    """
 
-    def int(self, key: str) -> int:
-        value = self._d.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelFormatError(
-                f"{self._source}: field {key!r} is {value!r}; expected a positive integer; fix the config"
-            )
+    def __init__(self, d: dict[str, Any], source: str, prefix: str = "") -> None:
+        self._d, self._source, self._prefix = d, source, prefix
+
+    def _fail(self, key: str, value: Any, expected: str):
+        raise ModelFormatError(f"{self._source}: field {self._prefix + key!r} is {value!r}; expected {expected}; fix the config")
+
+    def _absent(self, key: str, default: Any, expected: str) -> bool:
+        """Whether the field is absent (or null) and `default` applies; absent without a default fails."""
+        if self._d.get(key) is not None:
+            return False
+        if default is _MISSING:
+            self._fail(key, None, expected)
+        return True
+
+    def int(self, key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        if self._absent(key, default, expected):
+            return default
+        value = self._d[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            self._fail(key, value, expected)
         return value
+
+    def number(self, key: str, default: Any = _MISSING) -> float:
+        if self._absent(key, default, "a positive number"):
+            return default
+        value = self._d[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            self._fail(key, value, "a positive number")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        if self._absent(key, default, "true or false"):
+            return default
+        value = self._d[key]
+        if not isinstance(value, bool):
+            self._fail(key, value, "true or false")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        if self._absent(key, {}, "an object"):
+            return {}
+        value = self._d[key]
+        if not isinstance(value, dict):
+            self._fail(key, value, "an object (or null)")
+        return value
+
+    def nested(self, key: str) -> _Getter:
+        return _Getter(self.mapping(key), self._source, f"{self._prefix}{key}.")
+
+    def token_id(self, key: str) -> int | None:
+        return None if self._d.get(key) is None else self.int(key, minimum=0)
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """An int, a list of ints, or absent (HF writes all three for `eos_token_id`)."""
+        value = self._d.get(key)
+        if value is None or isinstance(value, int) and not isinstance(value, bool):
+            return normalize_eos(self.token_id(key))
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            self._fail(key, value, "a token id or a list of token ids")
+        return tuple(value)
 
 
 def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from draftflow.plugins.target.config import TargetConfig, expected_tensors, normalize_eos
+from draftflow.plugins.target.config import TargetConfig, _Getter, expected_tensors
 from draftflow.plugins.target.errors import ModelFormatError
 from draftflow.plugins.target.model import TargetModel
 from draftflow.plugins.target.moe import HostExperts, is_expert_tensor, split_fused_experts
@@ -97,14 +98,14 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
     model.to(device)  # moves the non-persistent RoPE buffer; weights are already there
 
     gen = _read_json(root / "generation_config.json", required=False)
-    eos = normalize_eos(gen.get("eos_token_id")) or cfg.eos_token_ids
+    eos = _Getter(gen, str(root / "generation_config.json")).token_ids("eos_token_id") or cfg.eos_token_ids
     return LoadedTarget(model, cfg, _read_tokenizer(root / "tokenizer.json"), eos, str(root))
 
 
 def mtp_prefixes(config: dict, cfg: TargetConfig) -> tuple[str, ...]:
     """Tensor-name prefixes of MTP heads the config declares; the `mtp` node loads them, the target skips them."""
     prefixes = []
-    for i in range(int(config.get("num_nextn_predict_layers") or 0)):  # DeepSeek-V3: extra layer indices
+    for i in range(_Getter(config, cfg.source).int("num_nextn_predict_layers", 0, minimum=0)):  # DeepSeek-V3: extra layer indices
         prefixes.append(f"model.layers.{cfg.num_layers + i}.")
     if config.get("mtp_num_hidden_layers"):  # Qwen3-Next
         prefixes += ["mtp.", "model.mtp."]  # names are canonicalised with a `model.` prefix
@@ -159,7 +160,7 @@ def _shard_map(root: Path) -> dict[str, Path]:
             )
         return {_canonical(name): root / file for name, file in weight_map.items()}
     single = root / "model.safetensors"
-    if not single.exists():
+    if not single.exists() and not single.is_symlink():
         raise ModelFormatError(
             f"{root}: neither model.safetensors nor model.safetensors.index.json exists; expected a "
             "safetensors checkpoint; save it with save_pretrained(..., safe_serialization=True)"
@@ -169,10 +170,14 @@ def _shard_map(root: Path) -> dict[str, Path]:
 
 
 def _open(file: Path, device: torch.device | str) -> Any:
-    if not file.exists():
+    if not file.exists() and not file.is_symlink():
         raise ModelFormatError(
             f"{file}: shard file is missing; expected it next to model.safetensors.index.json; re-download it"
         )
+    problem = file_problem(file)
+    if problem:
+        raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a safetensors file; "
+                               "check the path and its permissions")
     try:
         return safe_open(str(file), framework="pt", device=str(device))
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad headers
@@ -183,18 +188,49 @@ def _open(file: Path, device: torch.device | str) -> Any:
 
 
 def _read_json(file: Path, required: bool) -> dict[str, Any]:
-    if not file.exists():
+    """A JSON object file; absent and not required: {}. Unreadable, not JSON or not an object: ModelFormatError."""
+    if not file.exists() and not file.is_symlink():
         if required:
             raise ModelFormatError(f"{file}: file is missing; expected a JSON file; point at an HF model directory")
         return {}
+    return read_json_object(file)
+
+
+def read_json_object(file: Path, what: str = "a JSON object") -> dict[str, Any]:
+    """Parse `file`, which must hold a JSON object; every failure is a ModelFormatError naming the file."""
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelFormatError(f"{file}: invalid JSON ({exc}); expected a JSON object; fix or re-download it") from exc
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:  # a directory, a broken symlink, no permission
+        raise ModelFormatError(f"{file}: cannot be read: {file_problem(file) or exc.strerror or exc}; expected {what}; "
+                               "check the path and its permissions") from exc
+    except UnicodeDecodeError as exc:
+        raise ModelFormatError(f"{file}: not UTF-8 text ({exc.reason}); expected {what}; fix or re-download it") from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ModelFormatError(f"{file}: invalid JSON ({exc}); expected {what}; fix or re-download it") from exc
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{file}: holds a JSON {type(data).__name__}; expected {what}; fix or re-download it")
+    return data
+
+
+def file_problem(file: Path) -> str | None:
+    """Why `file` cannot be read as a regular file ('a directory', 'a broken symbolic link', ...), or None."""
+    try:
+        st = file.stat()
+    except FileNotFoundError:
+        return f"a broken symbolic link (to {os.readlink(file)})" if file.is_symlink() else "missing"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if not os.access(file, os.R_OK):
+        return "permission denied"
+    return None
 
 
 def _read_tokenizer(file: Path) -> Tokenizer | None:
-    if not file.exists():
+    if not file.exists() and not file.is_symlink():  # a broken link is an error below, not "no tokenizer"
         return None
     try:
         return Tokenizer.from_file(str(file))

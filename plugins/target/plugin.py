@@ -29,9 +29,9 @@ PARAMS = (
     ParamSpec("path", "path", help="Hugging Face model directory or .gguf file"),
     ParamSpec("kv_mode", "str", "static", "static: preallocate the KV cache; grow: allocate in chunks on demand",
               choices=("static", "grow")),
-    ParamSpec("tap_layers", "int_list", [], "layers whose output hidden states are carried to drafters"),
-    ParamSpec("prefill_chunk", "int", 512, "prompt tokens per prefill forward"),
-    ParamSpec("grow_chunk", "int", 256, "tokens per allocation in grow mode"),
+    ParamSpec("tap_layers", "int_list", [], "layers whose output hidden states are carried to drafters", minimum=0),
+    ParamSpec("prefill_chunk", "int", 512, "prompt tokens per prefill forward", minimum=1),
+    ParamSpec("grow_chunk", "int", 256, "tokens per allocation in grow mode", minimum=1),
     ParamSpec("cuda_graphs", "bool", True, "on CUDA with kv_mode static, replay decode/verify windows as CUDA graphs "
               "(one per window size and KV bucket, captured on first use); false: the eager forward; "
               "hybrid (qwen3_next) targets always run eagerly"),
@@ -39,14 +39,20 @@ PARAMS = (
               "window position and pick one on commit; replay = journal the window and re-run the accepted steps",
               choices=("select", "replay")),
     ParamSpec("expert_cache", "int", 0, "MoE targets: routed experts kept resident on the device (0 = autosize from "
-              "what vram_budget leaves); pin it so target-only and speculative runs get the same cache (docs/MOE.md)"),
+              "what vram_budget leaves); pin it so target-only and speculative runs get the same cache (docs/MOE.md)", minimum=0),
 )
 # Activations of one forward are small next to weights at batch 1; leave room for a window.
 SCRATCH_TOKENS = 512
 
 
 def is_gguf(path: str) -> bool:
-    return Path(path).suffix == ".gguf" or (Path(path).is_file() and Path(path).read_bytes()[:4] == b"GGUF")
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return True
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:  # the magic only: the file may be many GiB
+        return f.read(4) == b"GGUF"
 
 
 def read_any_config(path: str) -> TargetConfig:
