@@ -35,14 +35,19 @@ def check_buffers(plan):
 
 
 def check_capabilities(plan):
-    """Required capabilities are provided; declared incompatibilities are absent (either side declares)."""
+    """Required capabilities are provided; declared incompatibilities are absent (either side declares).
+
+    A capability that a node which failed its params or manifest can provide is not
+    reported missing: that node's own problem is the cause, and fixing it may provide it.
+    """
     provided = {}
     for name, r in plan.nodes.items():
         for cap in r.manifest.provides:
             provided.setdefault(cap, []).append(name)
+    pending = {cap for u in plan.unresolved.values() for cap in u.node_type.capabilities}
     for name, r in plan.nodes.items():
         for cap in sorted(r.manifest.requires):
-            if cap not in provided:
+            if cap not in provided and cap not in pending:
                 yield _p(plan, name, "capability", f"requires capability {cap!r}, which no node in the graph provides",
                          f"add or configure a node that provides {cap!r}")
         for inc in r.manifest.incompatible:

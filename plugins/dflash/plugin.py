@@ -26,6 +26,7 @@ from draftflow.plugins.dflash.config import kv_shape, weight_bytes
 from draftflow.plugins.dflash.loader import load_drafter, read_config
 from draftflow.plugins.dflash.model import draft_logits
 from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.plugin import wrong_target_check
 from draftflow.verify import filter_logits, sample
 
 PARAMS = (
@@ -188,6 +189,14 @@ def tap_layer_check(kind: str, layer_ids):
 check_tap_layers = tap_layer_check("dflash", lambda path: read_config(path).target_layer_ids)
 
 
+def trained_for(cfg) -> dict:
+    """What a DFlash(2) backbone config records about the target it was trained for."""
+    return {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "layers": cfg.num_target_layers}
+
+
+check_target = wrong_target_check("dflash", lambda params: trained_for(read_config(params["path"])))
+
+
 @hookimpl
 def draftflow_register_nodes(registry):
     registry.add_node_type(NodeType(
@@ -199,3 +208,4 @@ def draftflow_register_nodes(registry):
 @hookimpl
 def draftflow_add_checks(registry):
     registry.add_check("dflash-taps", check_tap_layers)
+    registry.add_check("dflash-target", check_target)

@@ -30,12 +30,13 @@ from draftflow.core.ports import Candidates, Proposal
 from draftflow.core.problems import Problem
 from draftflow.core.registry import NodeType
 from draftflow.plugins.dflash.config import kv_shape
-from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, tap_layer_check
+from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, tap_layer_check, trained_for
 from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 from draftflow.plugins.dflash2.config import weight_bytes
 from draftflow.plugins.dflash2.loader import load_drafter, read_config
 from draftflow.plugins.dflash2.model import CandidateSelector, walk
 from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.plugin import wrong_target_check
 from draftflow.verify import sample
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
@@ -152,6 +153,7 @@ class Top1Selector(Node):
 
 
 check_tap_layers = tap_layer_check("dflash2", lambda path: read_config(path).base.target_layer_ids)
+check_target = wrong_target_check("dflash2", lambda params: trained_for(read_config(params["path"]).base))
 
 
 def check_selector_source(plan):
@@ -195,5 +197,6 @@ def draftflow_register_nodes(registry):
 @hookimpl
 def draftflow_add_checks(registry):
     registry.add_check("dflash2-taps", check_tap_layers)
+    registry.add_check("dflash2-target", check_target)
     registry.add_check("dflash2-source", check_selector_source)
     registry.add_check("dflash2-unused", check_candidates_used)

@@ -26,6 +26,7 @@ from draftflow.core.registry import NodeType
 from draftflow.plugins.mtp.model import load_head
 from draftflow.plugins.mtp.weights import LAYOUTS, find_mtp
 from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.plugins.target.plugin import wrong_target_check
 
 PARAMS = (
     ParamSpec("path", "path", help="the target's checkpoint directory when it carries MTP weights, "
@@ -123,6 +124,14 @@ class Mtp(Node):
         return {"proposal": Proposal(tokens)}  # tokens: [1, K]
 
 
+def _trained_for(params) -> dict:
+    cfg = find_mtp(params["path"], params["config"], params["layout"]).config
+    return {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "layers": cfg.num_layers}
+
+
+check_target = wrong_target_check("mtp", _trained_for)
+
+
 def check_last_layer_tapped(plan):
     """An mtp node needs the target's last-layer (final, post-norm) hidden among its taps."""
     mtps = [n for n, r in plan.nodes.items() if r.node_type.name == "mtp"]
@@ -145,13 +154,6 @@ def check_last_layer_tapped(plan):
             yield Problem(targets[0], "mtp-hidden",
                           f"mtp node '{name}' needs the target's final hidden state, but tap_layers {taps} lacks the last layer {last}",
                           f"set nodes.{targets[0]}.tap_layers=[{fixed}]", target.node_type.name, where)
-        p = plan.nodes[name].params
-        mcfg = find_mtp(p["path"], p["config"], p["layout"]).config
-        if (mcfg.hidden_size, mcfg.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
-            yield Problem(name, "mtp-config",
-                          f"the MTP head has hidden {mcfg.hidden_size} / vocab {mcfg.vocab_size}, the target "
-                          f"{cfg.hidden_size} / {cfg.vocab_size}", "use the MTP weights made for this target",
-                          "mtp", plan.spec.node(name).where)
 
 
 @hookimpl
@@ -164,3 +166,4 @@ def draftflow_register_nodes(registry):
 @hookimpl
 def draftflow_add_checks(registry):
     registry.add_check("mtp-hidden", check_last_layer_tapped)
+    registry.add_check("mtp-target", check_target)

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from draftflow.core.errors import ModelFormatError
+from draftflow.core.errors import DraftflowError, ModelFormatError
 from draftflow.core.hookspecs import hookimpl
 from draftflow.core.manifest import KV_TOKENS, BufferSpec, Manifest, Port, Vram
 from draftflow.core.node import Node
 from draftflow.core.params import ParamSpec
 from draftflow.core.ports import Features, TargetOutput
+from draftflow.core.problems import Problem
 from draftflow.core.registry import NodeType
 from draftflow.plugins.target.config import TargetConfig, weight_bytes
 from draftflow.plugins.target.kv_cache import KVCache
@@ -66,6 +67,61 @@ def read_any_config(path: str) -> TargetConfig:
     from draftflow.plugins.target.hf_loader import read_config
 
     return read_config(path)
+
+
+def graph_target(plan) -> tuple[str, str, TargetConfig] | None:
+    """The graph's `target` node, its model path and config, also when its own manifest failed.
+
+    None when the graph has no single `target` node with a readable config (its own
+    problem then says why).
+    """
+    found = [(n, r.params) for n, r in plan.nodes.items() if r.node_type.name == "target"]
+    found += [(n, u.params) for n, u in plan.unresolved.items() if u.node_type.name == "target"]
+    if len(found) != 1 or "path" not in found[0][1]:
+        return None
+    name, params = found[0]
+    try:
+        return name, params["path"], read_any_config(params["path"])
+    except (DraftflowError, OSError):
+        return None
+
+
+def wrong_target_check(kind: str, trained_for):
+    """A check that every `kind` drafter was trained for the graph's target.
+
+    ``trained_for(params)`` returns what the drafter's files record about its target:
+    ``{"hidden": int, "vocab": int | None, "layers": int | None}`` (None: not recorded).
+    One problem per drafter names both sides, so a wrong pairing is not left to be guessed
+    from its knock-on problems (missing features, out-of-range tap layers).
+    """
+
+    def check(plan):
+        target = graph_target(plan)
+        if target is None:
+            return
+        target_name, target_path, cfg = target
+        have = {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "layers": cfg.num_layers}
+        for name, r in plan.nodes.items():
+            if r.node_type.name != kind:
+                continue
+            try:
+                trained = {k: v for k, v in trained_for(r.params).items() if v is not None}
+            except (DraftflowError, OSError):
+                continue  # its manifest read the same files; a file changed since is the run's problem
+            if all(have[k] == v for k, v in trained.items()):
+                continue
+            yield Problem(name, "wrong-target",
+                          f"drafter '{name}' was trained for a target with {_describe(trained)}; target '{target_name}' "
+                          f"({target_path}) has {_describe({k: have[k] for k in trained})}",
+                          f"use a drafter trained for this target (draftflow train {kind} --target {target_path} --out DIR)",
+                          kind, plan.spec.node(name).where if plan.spec.node(name) else "")
+
+    return check
+
+
+def _describe(facts: dict) -> str:
+    words = {"hidden": "hidden {}", "vocab": "vocab {}", "layers": "{} layers"}
+    return ", ".join(words[k].format(v) for k, v in facts.items())
 
 
 def manifest(params, env) -> Manifest:
