@@ -1,19 +1,27 @@
 """The `draftflow` command line: generate, check, serve, train, plugins, trace summarize.
 
 User errors print one line (``error: ...``) and exit 1; usage errors exit 2 (argparse).
+Handlers import the session (plugins, torch) only after their flags and files are checked,
+so a typo is reported in a fraction of a second.
+
+Paths on the command line are relative to the working directory (made absolute here,
+before they become graph overrides); paths inside a YAML file are relative to that file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from draftflow.core.errors import CheckError, DraftflowError
-from draftflow.core.session import Session, shortcut_graph
+from draftflow.core.hookspecs import hookimpl
 
 DEFAULT_GRAPH = "demo.yaml"
+PATH_FLAGS = ("target", "dflash", "dflash2", "mtp", "trace")
+PROMPT_CONTEXT_TOKENS = 8  # prompt tokens decoded with the continuation (SentencePiece drops a leading space alone)
 
 
 def _add_graph_args(p: argparse.ArgumentParser, positional: bool) -> None:
@@ -26,6 +34,12 @@ def _add_graph_args(p: argparse.ArgumentParser, positional: bool) -> None:
                         "--set nodes.<target>.expert_cache=N on every target node")
 
 
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for torch (default: 1 for a target under 64 MiB on CPU, else the physical cores; "
+                        "OMP_NUM_THREADS, if set, is kept)")
+
+
 def _expert_cache_overrides(args) -> list[str]:
     """`--expert-cache N` as `--set` overrides on every `plugin: target` node of the graph."""
     if getattr(args, "expert_cache", None) is None:
@@ -36,6 +50,8 @@ def _expert_cache_overrides(args) -> list[str]:
     if path is None:  # generate's shortcut graph names its target node `target`
         names = ["target"] if getattr(args, "target", None) else []
         if not names:
+            from draftflow.core.session import Session
+
             path = str(Session.shipped_graph(DEFAULT_GRAPH))
     if path is not None:
         nodes = read_graph_dict(Path(path))[0].get("nodes") or {}
@@ -69,9 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", choices=None, help="cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    g.add_argument("--trace", metavar="FILE.jsonl", help="write every cycle and request event as JSON lines")
+    g.add_argument("--trace", metavar="FILE.jsonl",
+                   help="write every cycle and request event as JSON lines (an existing trace is overwritten)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, ...)")
+    g.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
+    _add_threads_arg(g)
     _add_graph_args(g, positional=False)
 
     c = sub.add_parser("check", help="check a graph statically and print its plan")
@@ -91,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     sv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
     sv.add_argument("--spec-stats", action="store_true", help="add speculative_decoding stats to every response")
-    sv.add_argument("--trace", metavar="FILE.jsonl", help="write every cycle and request event as JSON lines")
+    sv.add_argument("--trace", metavar="FILE.jsonl",
+                    help="write every cycle and request event as JSON lines (an existing trace is overwritten)")
+    _add_threads_arg(sv)
 
     tr = sub.add_parser("train", help="train a DFlash or MTP drafter against a frozen target",
                         description="Options of a recipe: draftflow train dflash --help")
@@ -109,23 +130,96 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _prompt_ids(args, session: Session) -> list[int]:
-    if args.prompt_ids is not None:
-        try:
-            return [int(x) for x in args.prompt_ids.replace(" ", "").split(",") if x != ""]
-        except ValueError:
-            raise DraftflowError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers like 1,2,3") from None
-    text = args.prompt if args.prompt is not None else args.prompt_text
-    if text is None:
-        raise DraftflowError("no prompt: pass PROMPT, --prompt TEXT or --prompt-ids 1,2,3")
-    return session.encode(text)
+def _parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise DraftflowError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise DraftflowError(f"--prompt-ids {text!r}: no token ids; pass at least one, e.g. --prompt-ids 1,2,3")
+    bad = next((t for t in ids if not 0 <= t < 2**63), None)
+    if bad is not None:
+        raise DraftflowError(f"--prompt-ids: {bad} is not a token id; ids are integers >= 0 below the vocabulary size")
+    return ids
+
+
+def _absolute_paths(args) -> None:
+    """Command-line paths are relative to the working directory: make them absolute before they reach a graph."""
+    for flag in PATH_FLAGS:
+        value = getattr(args, flag, None)
+        if value is None or (flag == "mtp" and value == ""):  # bare --mtp: the heads inside the target
+            continue
+        if not value.strip():
+            raise DraftflowError(f"--{flag} is empty; give a path")
+        setattr(args, flag, str(Path(value).expanduser().absolute()))
+
+
+class _Printer:
+    """Writes the prompt, then the continuation, to stdout: exactly prompt + completion.
+
+    Streaming observes the executor's cycle events (a trace sink that never raises); the
+    continuation is decoded whole each time and only the new, complete characters are printed.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], echo: str, stream: bool):
+        from draftflow.core.serving import StopScanner
+
+        if tokenizer is None:  # ids only: the prompt ids, then each new id, space-separated
+            decode = lambda ids: "".join(f" {t}" for t in ids)  # noqa: E731
+        else:
+            context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+            prefix = tokenizer.decode(context)
+
+            def decode(ids):
+                text = tokenizer.decode(context + list(ids))
+                return text[len(prefix):] if text.startswith(prefix) else tokenizer.decode(ids)
+
+        self.scanner, self.stream, self.echo, self.broken = StopScanner(decode), stream, echo, False
+
+    def write(self, text: str) -> None:
+        text, self.echo = self.echo + text, ""  # the prompt goes out with the first text: none if the run fails
+        if text and not self.broken:
+            try:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            except OSError:  # stdout closed (e.g. piped into head): stop printing, let the run finish
+                self.broken = True
+
+    @hookimpl
+    def draftflow_cycle_event(self, event):
+        if self.stream:
+            self.write(self.scanner.feed(event["emitted"])[0])
+
+    def finish(self, token_ids) -> None:
+        if not self.stream:
+            self.write(self.scanner.feed(token_ids)[0])
+        self.write(self.scanner.flush())
+        if sys.stdout.isatty():  # the shell prompt on a line of its own; pipes and files get the exact text
+            self.write("\n")
 
 
 def cmd_generate(args) -> int:
     from draftflow.core.node import SamplingParams
 
+    # Everything the flags alone decide is checked before the graph, plugins and models load.
+    text = args.prompt if args.prompt is not None else args.prompt_text
     if args.prompt is not None and args.prompt_text is not None:
         raise DraftflowError("give the prompt once: either PROMPT or --prompt, not both")
+    if args.prompt_ids is not None and text is not None:
+        raise DraftflowError("give the prompt once: either text (PROMPT or --prompt) or --prompt-ids, not both")
+    if args.prompt_ids is None and text is None:
+        raise DraftflowError("no prompt: pass PROMPT, --prompt TEXT or --prompt-ids 1,2,3")
+    if args.stream and args.json:
+        raise DraftflowError("--stream prints text as it is generated and --json one object at the end; choose one")
+    if args.graph and any([args.dflash, args.dflash2, args.mtp is not None, args.lookup]):
+        raise DraftflowError("drafter shortcut flags (--dflash, --dflash2, --mtp, --lookup) build a graph; use them without --graph")
+    prompt_ids = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+    _absolute_paths(args)
+    from draftflow.core.session import Session, check_threads, shortcut_graph
+
+    check_threads(args.threads)
     if args.graph:
         graph_path = Path(args.graph)
     elif not args.target:
@@ -142,13 +236,22 @@ def cmd_generate(args) -> int:
     if graph_path is not None and args.target:
         overrides.append(f"nodes.target.path={args.target}")
     shortcut = shortcut_graph(args) if graph_path is None else None
-    if graph_path is not None and any([args.dflash, args.dflash2, args.mtp is not None, args.lookup]):
-        raise DraftflowError("drafter shortcut flags (--dflash, --dflash2, --mtp, --lookup) build a graph; use them without --graph")
-    session = Session.open(graph_path=graph_path, graph_dict=shortcut, overrides=overrides, trace=args.trace)
+    session = Session.open(graph_path=graph_path, graph_dict=shortcut, overrides=overrides, trace=args.trace,
+                           threads=args.threads)
     try:
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                  max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-        result = session.generate(_prompt_ids(args, session), sampling)
+        if prompt_ids is None:
+            prompt_ids = session.encode(text)
+        printer = None
+        if not args.json:
+            echo = text if text is not None else (session.tokenizer.decode(prompt_ids) if session.tokenizer is not None
+                                                  else " ".join(map(str, prompt_ids)))
+            printer = _Printer(session.tokenizer, prompt_ids, echo, args.stream)
+            session.registry.pm.register(printer, name="generate-printer")
+        try:
+            result = session.generate(prompt_ids, sampling)
+        finally:
+            if printer is not None:
+                session.registry.pm.unregister(printer)
     finally:
         session.close()
     if args.json:
@@ -156,17 +259,24 @@ def cmd_generate(args) -> int:
                           "prompt_token_ids": list(result.prompt_token_ids), "finish_reason": result.finish_reason,
                           "stats": result.stats}))
     else:
-        print(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+        printer.finish(result.token_ids)
         s = result.stats
+        threads = f", {session.threads} thread{'s' if session.threads != 1 else ''}" if session.threads else ""
         print(f"[{len(result.token_ids)} tokens, {s['cycles']} cycles, tau {s['tau']:.2f}, acceptance {s['acceptance_rate']:.2f}, "
-              f"{s['tokens_per_s']:.1f} tok/s, finish: {result.finish_reason}]", file=sys.stderr)
+              f"{s['tokens_per_s']:.1f} tok/s{threads}, finish: {result.finish_reason}]", file=sys.stderr)
     return 0
 
 
 def cmd_check(args) -> int:
+    from draftflow.core.session import Session
+
+    if args.draw:  # a bad image path is refused before any work
+        from draftflow.core.plotting import check_image_output
+
+        check_image_output(args.draw, "--draw", inputs=(args.graph,))
+    plan = Session.plan_only(Path(args.graph), args.overrides)  # reads the YAML before plugins and torch load
     from draftflow.core.report import draw_plan, render_plan
 
-    plan = Session.plan_only(Path(args.graph), args.overrides)
     plan.raise_if_problems()
     print(render_plan(plan))
     if args.draw:
@@ -176,6 +286,10 @@ def cmd_check(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from draftflow.core.session import check_threads
+
+    _absolute_paths(args)
+    check_threads(args.threads)
     from draftflow.core.server import run_serve
 
     return run_serve(args)
@@ -203,10 +317,14 @@ def cmd_plugins(args) -> int:
 def cmd_trace(args) -> int:
     from draftflow.core.summarize import plot, read_trace, render, summarize
 
+    if args.plot:  # a bad image path is refused before any work
+        from draftflow.core.plotting import check_image_output
+
+        check_image_output(args.plot, "--plot", inputs=(args.file,))
     summary = summarize(*read_trace(args.file))
     print(json.dumps(summary) if args.json else render(summary))
     if args.plot:
-        plot(summary, args.plot)
+        plot(summary, args.plot, inputs=(args.file,))
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
@@ -231,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout closed early (e.g. piped into head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ import attrs
 import structlog
 import torch
 
-from draftflow.core.errors import OwnershipError, RequestError
+from draftflow.core.errors import ModelFormatError, OwnershipError, RequestError
 from draftflow.core.manifest import DTYPES
 from draftflow.core.node import CommitInfo, Node, NodeContext, RequestState, SamplingParams
 from draftflow.core.plan import GraphPlan
-from draftflow.core.ports import Verdict
+from draftflow.core.ports import TargetOutput, Verdict
 from draftflow.core.tracing import RequestStats, emit_cycle, emit_request
 
 log = structlog.get_logger("draftflow")
@@ -151,6 +151,8 @@ class Executor:
                 t0 = timer.start()
                 out = self.nodes[name].step(req, inputs) or {}
                 timer.stop(self.roles[name], t0)
+                if req.cycle == 0 and name == self.target:
+                    self._check_finite(out)
                 if versions is not None:
                     self._check_writes(name, versions)
                 for port, value in out.items():
@@ -218,15 +220,26 @@ class Executor:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); fix the prompt ids")
-        if sampling.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens is {sampling.max_new_tokens}; it must be at least 1")
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
-            raise RequestError("sampling values out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 0 (0 = off)")
         limit = self.kv_tokens
         need = len(prompt_ids) + sampling.max_new_tokens
         if limit is not None and need > limit:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {need} "
                                f"exceeds the context of {limit} tokens; shorten the prompt or lower --max-new-tokens")
+
+    def _check_finite(self, out: dict[str, Any]) -> None:
+        """Refuse NaN/inf target logits (corrupt weights, float16 overflow) instead of emitting garbage.
+
+        Checked on the first window of each request only: one extra host sync per request, none per cycle.
+        """
+        for value in out.values():
+            if isinstance(value, TargetOutput) and not bool(torch.isfinite(value.logits).all()):
+                node = self.plan.nodes[self.target]
+                path = node.params.get("path")
+                where = f"node '{self.target}' ({node.node_type.name}" + (f", {path})" if path else ")")
+                dtype = self.plan.spec.dtype
+                fix = "check the checkpoint's weights" + (", or run in --dtype bfloat16 or float32" if dtype == "float16" else "")
+                raise ModelFormatError(f"{where} produced NaN or infinite logits for the prompt: its weights are corrupt "
+                                       f"or overflow in {dtype}; {fix}")
 
     # --- debug ownership ----------------------------------------------------------------
     def _versions(self, name: str) -> dict[tuple[str, str], int]:

@@ -7,12 +7,17 @@ request calls ``prefill`` once and, per cycle, ``step`` in topological order fol
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import math
+from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
-import torch
 
-from draftflow.core.manifest import DTYPES, Manifest
+from draftflow.core.errors import RequestError
+
+if TYPE_CHECKING:  # torch stays unimported until a node is built: `generate` validates its flags first
+    import torch
+
+    from draftflow.core.manifest import Manifest
 
 
 @attrs.define
@@ -32,15 +37,45 @@ class NodeContext:
     resident_experts: int | None = None  # planned expert-cache size, for a node that declared Vram.experts
 
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
+MAX_NEW_TOKENS = 2**31 - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok, expected: str):
+    """An attrs validator raising RequestError that names the field, its value and the valid range."""
+
+    def validate(inst, attribute, value):
+        if not ok(value):
+            raise RequestError(f"sampling field '{attribute.name}' is {value!r}; it must be {expected}")
+
+    return validate
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @attrs.define
 class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    """How one request samples; every field is validated on construction and assignment (RequestError)."""
+
+    temperature: float = attrs.field(default=0.0, validator=_check(lambda v: _is_number(v) and v >= 0,
+                                                                   "a finite number >= 0 (0 = greedy)"))
+    top_k: int = attrs.field(default=0, validator=_check(lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"))
+    top_p: float = attrs.field(default=1.0, validator=_check(lambda v: _is_number(v) and 0 < v <= 1,
+                                                             "a number in (0, 1] (1 = off)"))
+    seed: int | None = attrs.field(default=None, validator=_check(lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_SEED),
+                                                                  f"an integer in [0, {MAX_SEED}] or unset"))
+    max_new_tokens: int = attrs.field(default=64, validator=_check(lambda v: _is_int(v) and 1 <= v <= MAX_NEW_TOKENS,
+                                                                   f"an integer in [1, {MAX_NEW_TOKENS}]"))
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple,
+                                                  validator=_check(lambda v: all(_is_int(t) and t >= 0 for t in v),
+                                                                   "a list of token ids >= 0"))
+    ignore_eos: bool = attrs.field(default=False, validator=_check(lambda v: isinstance(v, bool), "true or false"))
 
 
 @attrs.define
@@ -111,4 +146,6 @@ class Node:
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    from draftflow.core.manifest import DTYPES
+
     return DTYPES[name]

@@ -1,25 +1,67 @@
 """A Session ties the pieces together for the CLI and for library users:
-registry -> graph spec -> checked plan -> executor (+ trace sinks)."""
+graph spec -> registry -> checked plan -> executor (+ trace sinks).
+
+The graph file is read before the registry loads plugins (and with them torch), so a YAML
+or path error is reported in a fraction of a second.
+"""
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from draftflow.core.errors import DraftflowError, SpecError
-from draftflow.core.executor import Executor, Result
 from draftflow.core.node import SamplingParams
-from draftflow.core.plan import GraphPlan, build_plan
-from draftflow.core.registry import Registry, load_registry
 from draftflow.core.spec import GraphSpec, apply_overrides, load_graph
-from draftflow.core.tracing import JsonlSink
+from draftflow.core.yamlio import Located
+from draftflow.core.tracing import JsonlSink, check_trace_path
+
+if TYPE_CHECKING:
+    from draftflow.core.executor import Executor, Result
+    from draftflow.core.plan import GraphPlan
+    from draftflow.core.registry import Registry
+
+# A CPU target smaller than this runs fastest on one thread: its matmuls are too small to
+# split, and a second thread only adds wake-ups, which under CPU contention cost 40x
+# (the demo: 900 tok/s on 1 thread, 4-25 on 2 with another busy process; docs/...).
+SMALL_TARGET_BYTES = 64 << 20
+
+
+def physical_cores() -> int:
+    """CPU cores this process may run on, counting the hyper-threads of one core once."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def default_threads(device_type: str, target_bytes: int) -> int:
+    """Torch threads when neither --threads nor OMP_NUM_THREADS says: 1 for a small CPU target, else the physical cores."""
+    if device_type == "cpu" and target_bytes < SMALL_TARGET_BYTES:
+        return 1
+    return physical_cores()
+
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise DraftflowError(f"--threads {threads}: it must be at least 1 (leave it out for the default)")
 
 
 def shortcut_graph(args) -> dict:
     """The graph that `generate --target ... [--lookup] [--mtp] [--dflash ...]` stands for, as a YAML-shaped dict.
 
     Several drafters are combined by a `mixer` node in order of preference: prompt lookup
-    (free when it matches), then DFlash2, DFlash, MTP.
+    (free when it matches), then DFlash2, DFlash, MTP. Paths are used as given: the CLI has
+    made them absolute (relative to the working directory).
     """
     target = {"plugin": "target", "params": {"path": args.target}}
     nodes = {"target": target}
@@ -63,8 +105,10 @@ def shortcut_graph(args) -> dict:
 
 
 class Session:
-    def __init__(self, registry: Registry, plan: GraphPlan, executor: Executor, sink: JsonlSink | None):
+    def __init__(self, registry: Registry, plan: GraphPlan, executor: Executor, sink: JsonlSink | None,
+                 threads: int | None = None):
         self.registry, self.plan, self.executor, self.sink = registry, plan, executor, sink
+        self.threads = threads  # torch intra-op threads this session set (None: left as they were)
 
     @staticmethod
     def shipped_graph(name: str) -> Path:
@@ -79,24 +123,62 @@ class Session:
             return load_graph(graph_path, list(overrides))
         if graph_dict is None:
             raise SpecError("no graph: pass a graph file or --target")
-        return GraphSpec.from_dict(apply_overrides(graph_dict, list(overrides)), source="<command line>", base_dir=Path.cwd())
+        loc = Located("<command line>")  # errors about a --set value then name that --set
+        return GraphSpec.from_dict(apply_overrides(graph_dict, list(overrides), located=loc), source="<command line>", located=loc,
+                                   base_dir=Path.cwd())
 
     @classmethod
     def plan_only(cls, graph_path: Path | None = None, overrides=(), graph_dict: dict | None = None, registry: Registry | None = None) -> GraphPlan:
-        registry = registry or load_registry()
-        return build_plan(cls.load_spec(graph_path, graph_dict, overrides), registry)
+        spec = cls.load_spec(graph_path, graph_dict, overrides)  # YAML errors before plugins (and torch) load
+        from draftflow.core.plan import build_plan
+        from draftflow.core.registry import load_registry
+
+        return build_plan(spec, registry or load_registry())
 
     @classmethod
     def open(cls, graph_path: Path | None = None, graph_dict: dict | None = None, overrides=(), trace: str | None = None,
-             registry: Registry | None = None) -> "Session":
-        """Check the graph (every problem at once), then allocate and build the nodes."""
+             registry: Registry | None = None, threads: int | None = None) -> "Session":
+        """Check the graph (every problem at once), then allocate and build the nodes.
+
+        ``threads``: torch intra-op threads; None picks them (``default_threads``) unless
+        OMP_NUM_THREADS is set, which is then left in charge.
+        """
+        check_threads(threads)
+        graph_input = [(graph_path, "the graph file")] if graph_path is not None else []
+        if trace:  # a missing folder or the graph file itself, reported before anything loads
+            check_trace_path(trace, graph_input)
+        spec = cls.load_spec(graph_path, graph_dict, overrides)  # YAML errors before plugins (and torch) load
+        from draftflow.core.executor import Executor
+        from draftflow.core.plan import build_plan
+        from draftflow.core.registry import load_registry
+
         registry = registry or load_registry()
-        plan = build_plan(cls.load_spec(graph_path, graph_dict, overrides), registry)
+        plan = build_plan(spec, registry)
         plan.raise_if_problems()
-        sink = JsonlSink(trace) if trace else None
-        if sink is not None:
+        trace_path = check_trace_path(trace, graph_input + cls.inputs(plan)) if trace else None
+        executor = Executor(plan, hook=registry.pm.hook)
+        if threads is None and "OMP_NUM_THREADS" not in os.environ:
+            threads = default_threads(executor.device.type, executor.measured.get(executor.target, 0))
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        sink = None
+        if trace_path is not None:  # opened (truncated) only once everything loaded
+            sink = JsonlSink(trace_path)
             registry.pm.register(sink, name=f"trace-jsonl:{trace}")
-        return cls(registry, plan, Executor(plan, hook=registry.pm.hook), sink)
+        return cls(registry, plan, executor, sink, threads)
+
+    @staticmethod
+    def inputs(plan: GraphPlan) -> list[tuple[Path, str]]:
+        """Files and folders the nodes read: every path param of every node."""
+        out = []
+        for name, node in plan.nodes.items():
+            for spec in node.node_type.params:
+                value = node.params.get(spec.name)
+                if spec.type == "path" and value:
+                    out.append((Path(value), f"node '{name}' param '{spec.name}'"))
+        return out
 
     @property
     def tokenizer(self):

@@ -12,10 +12,12 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Iterable
 
 import attrs
 import structlog
 
+from draftflow.core.errors import DraftflowError
 from draftflow.core.hookspecs import hookimpl
 
 log = structlog.get_logger("draftflow")
@@ -31,9 +33,11 @@ def configure_logging(verbose: bool = False, json_lines: bool | None = None) -> 
     if json_lines is None:
         json_lines = not sys.stderr.isatty()
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    # JSON lines carry an event's exc_info as its formatted traceback ("exception"); the console renderer does its own
+    exc_info = [structlog.processors.format_exc_info] if json_lines else []
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso"), renderer],
+                    structlog.processors.TimeStamper(fmt="iso"), *exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if verbose else logging.WARNING),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
@@ -87,16 +91,58 @@ def emit_request(hook, event: dict) -> None:
     hook.draftflow_request_event(event=event)
 
 
+def _is_trace(path: Path) -> bool:
+    """Whether an existing file is empty or starts with a draftflow trace event (so overwriting it loses no input)."""
+    try:
+        with path.open("rb") as f:
+            head = f.readline(1 << 16)
+    except OSError:
+        return True  # unreadable: the open for writing reports why
+    if not head.strip():
+        return True
+    try:
+        first = json.loads(head)
+    except ValueError:
+        return False
+    return isinstance(first, dict) and first.get("event") in ("draft_cycle", "request_done")
+
+
+def check_trace_path(path: Path | str, inputs: Iterable[tuple[Path | str, str]] = ()) -> Path:
+    """The absolute path ``--trace`` may write, or a DraftflowError saying why not.
+
+    ``inputs`` are (path, what) pairs the run reads: the trace may be neither one of them nor
+    inside one (a model folder). An existing file is overwritten only if it is empty or already
+    a trace: one trace file holds one run, so ``trace summarize`` never mixes runs.
+    """
+    p = Path(path).expanduser().absolute()
+    flag = f"--trace {path}"
+    if p.is_dir():
+        raise DraftflowError(f"{flag}: is a directory; name a file in it, e.g. --trace {p / 'trace.jsonl'}")
+    if not p.parent.is_dir():
+        raise DraftflowError(f"{flag}: the folder {p.parent} does not exist; create it first or choose another path")
+    real = p.resolve()
+    for source, what in inputs:
+        source = Path(source).resolve()
+        if real == source or (source.is_dir() and real.is_relative_to(source)):
+            where = what if real == source else f"inside {what} ({source})"
+            raise DraftflowError(f"{flag}: is {where}, which this run reads; write the trace somewhere else")
+    if p.is_file() and not _is_trace(p):
+        raise DraftflowError(f"{flag}: {p} exists and is not a draftflow trace; refusing to overwrite it; "
+                             f"remove it or choose another name")
+    return p
+
+
 class JsonlSink:
-    """Trace sink writing every event as one JSON line; register with ``registry.pm.register``."""
+    """Trace sink writing every event as one JSON line; register with ``registry.pm.register``.
+
+    The file is truncated on open (see ``check_trace_path`` for what may be overwritten).
+    """
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
         try:
             self._file = self.path.open("w", encoding="utf-8")
         except OSError as exc:
-            from draftflow.core.errors import DraftflowError
-
             raise DraftflowError(f"--trace {self.path}: cannot open for writing: {exc.strerror}; choose a writable path") from None
 
     def _write(self, kind: str, event: dict) -> None:
