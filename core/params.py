@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any
 
 import attrs
+
+from draftflow.core.yamlio import shorten
 
 PARAM_TYPES = ("int", "float", "str", "bool", "path", "int_list", "str_list", "any")
 
@@ -56,14 +59,22 @@ def _convert(spec: ParamSpec, value: Any, base_dir: Path | None):
     if t == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("expected a number")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int past 1e308
+            raise ValueError("expected a number below 1e308") from None
+        if not math.isfinite(value):
+            raise ValueError("expected a finite number")
+        return value
     if t == "str":
         if not isinstance(value, str):
             raise ValueError("expected a string")
         return value
     if t == "path":
-        if not isinstance(value, str):
+        if not isinstance(value, str) or not value.strip():
             raise ValueError("expected a path string")
+        if "\0" in value:
+            raise ValueError("a path cannot contain a NUL character")
         path = Path(value).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
@@ -101,7 +112,7 @@ def validate_params(schema: tuple[ParamSpec, ...], raw: dict, base_dir: Path | N
         try:
             value = _convert(spec, value, base_dir)
         except ValueError as exc:
-            problems.append((key, f"parameter {key!r}: {exc}, got {value!r}", f"set {key} to a {spec.type} value"))
+            problems.append((key, f"parameter {key!r}: {exc}, got {shorten(repr(value))}", f"set {key} to a {spec.type} value"))
             continue
         low = spec.below_minimum(value)
         if low is not None:

@@ -90,13 +90,34 @@ class GraphPlan:
             raise CheckError(self.problems, graph_name=self.spec.source)
 
 
+def device_problem(device: str) -> tuple[str, str] | None:
+    """(message, fix) when this torch build on this machine cannot use ``device``, else None."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    cpu_fix = "or run on the CPU (device: cpu in the graph, --device cpu or --set device=cpu)"
+    if not torch.backends.cuda.is_built():
+        return (f"device {device!r} needs CUDA, but this torch build ({torch.__version__}) has no CUDA support",
+                f"install a CUDA build of torch (https://pytorch.org/get-started/locally/), {cpu_fix}")
+    count = torch.cuda.device_count()
+    if count == 0:
+        return (f"device {device!r}: torch {torch.__version__} is built with CUDA but sees no CUDA device",
+                f"check the NVIDIA driver and CUDA_VISIBLE_DEVICES, {cpu_fix}")
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        return (f"device {device!r} does not exist: this machine has {count} CUDA device{'s' if count > 1 else ''}",
+                f"use {'cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'}, {cpu_fix}")
+    return None
+
+
 def device_budget(spec: GraphSpec) -> int | None:
     """The budget in bytes: explicit bytes, a share of device memory, or 90% of a CUDA device."""
     budget = spec.vram_budget
     if spec.device.startswith("cuda"):
         import torch
 
-        if not torch.cuda.is_available():
+        if device_problem(spec.device) is not None:  # build_plan reports it
             return budget if isinstance(budget, int) else None
         total = torch.cuda.get_device_properties(torch.device(spec.device)).total_memory
         if budget is None:
@@ -113,6 +134,8 @@ def build_plan(spec: GraphSpec, registry: Registry) -> GraphPlan:
     """Resolve, wire, order and check ``spec``; problems are collected on the plan."""
     env = Env(spec.device, spec.dtype, spec.num_draft, spec.max_context)
     plan = GraphPlan(spec=spec, env=env)
+    if (unusable := device_problem(spec.device)) is not None:
+        plan.problem("", "device", *unusable, where=spec.at("device"))
     _resolve_nodes(plan, registry)
     _wire(plan)
     _order(plan)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import attrs
-import yaml
 
 from draftflow.core.errors import SpecError
 from draftflow.core.params import did_you_mean
-from draftflow.core.yamlio import Located, load_yaml_file, load_yaml_text
+from draftflow.core.yamlio import Located, key_path, load_yaml_file, load_yaml_text, load_yaml_value, shorten
 
 TOP_KEYS = ("name", "description", "extends", "device", "dtype", "vram_budget", "num_draft", "max_context", "debug", "nodes", "edges")
 NODE_KEYS = ("plugin", "params")
@@ -68,9 +68,9 @@ def parse_size(value: Any, where: str) -> int | float | None:
             share = -1
         if 0 < share <= 1:
             return share
-    if isinstance(value, str) and (m := _SIZE.match(value)):
-        return int(float(m[1]) * _UNITS[m[2]])
-    raise SpecError(f"{where}: vram_budget {value!r} is not a size; write bytes, '24GiB', or '90%'")
+    if isinstance(value, str) and (m := _SIZE.match(value)) and (size := float(m[1]) * _UNITS[m[2]]) < 2**63:
+        return int(size)
+    raise SpecError(f"{where}: vram_budget {shorten(repr(value))} is not a size; write bytes, '24GiB', or '90%'")
 
 
 @attrs.frozen
@@ -100,8 +100,11 @@ class GraphSpec:
     @classmethod
     def from_dict(cls, data: Any, source: str = "<graph>", located: Located | None = None, base_dir: Path | None = None) -> "GraphSpec":
         loc = located or Located(source)
+        if data is None or data == {}:
+            raise SpecError(f"{source}: the graph is empty; it needs 'nodes:' (see graphs/demo.yaml for an example)")
         if not isinstance(data, dict):
-            raise SpecError(f"{source}: a graph must be a mapping with 'nodes:' (and optionally 'edges:')")
+            raise SpecError(f"{source}: the top level is {_kind(data)}, but a graph must be a mapping with 'nodes:' "
+                            "(and optionally 'edges:'); see graphs/demo.yaml")
         for key in data:
             if key not in TOP_KEYS:
                 raise SpecError(f"{loc.at(key)}: unknown key {key!r}; {did_you_mean(key, TOP_KEYS)}")
@@ -131,19 +134,22 @@ class GraphSpec:
         edges = tuple(EdgeSpec.parse(e, loc.at("edges", i)) for i, e in enumerate(edges_raw))
         device = data.get("device", "cpu")
         if not isinstance(device, str) or not _DEVICE.match(device):
-            raise SpecError(f"{loc.at('device')}: device {device!r} is not 'cpu', 'cuda' or 'cuda:N'")
+            raise SpecError(f"{loc.at('device')}: device {shorten(repr(device))} is not 'cpu', 'cuda' or 'cuda:N'")
         dtype = data.get("dtype", "float32")
         if dtype not in COMPUTE_DTYPES:
-            raise SpecError(f"{loc.at('dtype')}: dtype {dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+            raise SpecError(f"{loc.at('dtype')}: dtype {shorten(repr(dtype))} is not one of {', '.join(COMPUTE_DTYPES)}")
         num_draft = data.get("num_draft", 4)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 0 <= num_draft <= 64:
-            raise SpecError(f"{loc.at('num_draft')}: num_draft must be an integer from 0 to 64, got {num_draft!r}")
+            raise SpecError(f"{loc.at('num_draft')}: num_draft must be an integer from 0 to 64, got {shorten(repr(num_draft))}")
         max_context = data.get("max_context")
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1):
-            raise SpecError(f"{loc.at('max_context')}: max_context must be a positive integer, got {max_context!r}")
+            raise SpecError(f"{loc.at('max_context')}: max_context must be a positive integer, got {shorten(repr(max_context))}")
         debug = data.get("debug", False)
         if not isinstance(debug, bool):
             raise SpecError(f"{loc.at('debug')}: debug must be true or false")
+        for key in ("name", "description"):
+            if isinstance(data.get(key), (dict, list)):
+                raise SpecError(f"{loc.at(key)}: {key} must be text, got {_kind(data[key])}")
         name = data.get("name") or (Path(source).stem if source != "<graph>" else "graph")
         return cls(
             name=str(name),
@@ -188,73 +194,101 @@ def _merge(base: dict, child: dict) -> dict:
     return out
 
 
-def read_graph_dict(path: Path, _seen: tuple = ()):
-    """Read a graph file and everything it ``extends:``; return (merged dict, Located)."""
-    path = Path(path).resolve()
+def _kind(value: Any) -> str:
+    kinds = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def read_graph_dict(path: Path, _seen: tuple = (), cited: str = ""):
+    """Read a graph file and everything it ``extends:``; return (merged dict, Located).
+
+    ``cited`` says where another file named this one, for errors about reading it.
+    """
+    path = Path(os.path.realpath(path))  # realpath, not resolve(): a symlink loop is reported on reading, not as a RuntimeError
     if path in _seen:
         chain = " -> ".join(str(p) for p in _seen + (path,))
         raise SpecError(f"{path}: 'extends' forms a loop ({chain}); remove one of the extends")
-    data, loc = load_yaml_file(path)
+    data, loc = load_yaml_file(path, cited=cited)
+    if data is None:
+        raise SpecError(f"{path}: the graph file is empty; it needs 'nodes:' (see graphs/demo.yaml for an example)")
     if not isinstance(data, dict):
-        raise SpecError(f"{path}: a graph must be a mapping with 'nodes:'")
+        raise SpecError(f"{path}: the top level is {_kind(data)}, but a graph must be a mapping with 'nodes:'; see graphs/demo.yaml")
     parent = data.get("extends")
     if parent is None:
         return data, loc
-    if not isinstance(parent, str):
-        raise SpecError(f"{loc.at('extends')}: 'extends' must be a path to another graph file")
+    if not isinstance(parent, str) or not parent.strip():
+        raise SpecError(f"{loc.at('extends')}: 'extends' must be the path of another graph file, got {parent!r}")
     parent_path = (path.parent / parent) if not Path(parent).is_absolute() else Path(parent)
-    if not parent_path.exists():
-        raise SpecError(f"{loc.at('extends')}: extends {parent!r}, but {parent_path} does not exist")
-    base, base_loc = read_graph_dict(parent_path, _seen + (path,))
+    base, base_loc = read_graph_dict(parent_path, _seen + (path,), cited=f"{loc.at('extends')}: extends {parent!r}")
     loc.merge(base_loc)
     return _merge(base, data), loc
 
 
-def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> dict:
-    """Apply ``key.path=value`` overrides; ``nodes.X.P=v`` is short for ``nodes.X.params.P=v``."""
+def _override_path(parts: list[str], data: dict, where: str) -> tuple:
+    """The key path a ``--set`` key names: ``nodes.X.P`` -> ('nodes', X, 'params', P)."""
+    if parts[0] == "nodes":
+        nodes = data.get("nodes")
+        nodes = nodes if isinstance(nodes, dict) else {}
+        if len(parts) < 3:
+            raise SpecError(f"{where}: write nodes.<node>.<param>=<value>")
+        if parts[1] not in nodes:
+            raise SpecError(f"{where}: no node {parts[1]!r} in the graph; {did_you_mean(parts[1], nodes)}")
+        if parts[2:] == ["plugin"]:
+            return ("nodes", parts[1], "plugin")
+        rest = parts[3:] if parts[2] == "params" else parts[2:]
+        if not rest:
+            raise SpecError(f"{where}: set one param at a time: nodes.{parts[1]}.params.<param>=<value>")
+        return ("nodes", parts[1], "params", *rest)
+    if parts[0] == "extends":
+        raise SpecError(f"{where}: 'extends' is read with the file and cannot be overridden; edit the graph file")
+    if parts[0] not in TOP_KEYS:
+        raise SpecError(f"{where}: unknown key {'.'.join(parts)!r}; {did_you_mean(parts[0], TOP_KEYS)}")
+    if len(parts) > 1:
+        raise SpecError(f"{where}: {parts[0]} is one value with no keys inside; write {parts[0]}=VALUE")
+    return (parts[0],)
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str = "--set", located: Located | None = None) -> dict:
+    """Apply ``key.path=value`` overrides; ``nodes.X.P=v`` is short for ``nodes.X.params.P=v``.
+
+    Values are YAML, read under the rules of a graph file. With ``located``, later errors about an
+    overridden value name the override that gave it rather than a line of the file.
+    """
     out = copy.deepcopy(data)
     for item in overrides:
+        where = f"{source} {item!r}"
         if "=" not in item:
-            raise SpecError(f"{source} {item!r}: expected KEY=VALUE, e.g. nodes.target.params.kv_mode=grow or num_draft=8")
+            raise SpecError(f"{where}: expected KEY=VALUE, e.g. nodes.target.params.kv_mode=grow or num_draft=8")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
         parts = key.strip().split(".")
-        if parts[0] == "nodes":
-            if len(parts) < 3:
-                raise SpecError(f"{source} {item!r}: write nodes.<node>.<param>=<value>")
-            nodes = out.setdefault("nodes", {})
-            if parts[1] not in nodes:
-                raise SpecError(f"{source} {item!r}: no node {parts[1]!r} in the graph; {did_you_mean(parts[1], nodes)}")
-            node = nodes[parts[1]]
-            if parts[2] == "plugin" and len(parts) == 3:
-                node["plugin"] = value
-                continue
-            rest = parts[3:] if parts[2] == "params" else parts[2:]
-            if not rest:
-                raise SpecError(f"{source} {item!r}: write nodes.<node>.<param>=<value>")
-            target = node.setdefault("params", {}) or {}
-            node["params"] = target
-            for p in rest[:-1]:
-                target = target.setdefault(p, {})
-            target[rest[-1]] = value
-        elif len(parts) == 1 and parts[0] in TOP_KEYS:
-            out[parts[0]] = value
-        else:
-            raise SpecError(f"{source} {item!r}: unknown key {key!r}; {did_you_mean(parts[0], TOP_KEYS)}")
+        if not all(p.strip() for p in parts):
+            raise SpecError(f"{where}: the key {key!r} has an empty part; write KEY=VALUE, e.g. num_draft=8 or nodes.target.kv_mode=grow")
+        path = _override_path(parts, out, where)
+        value = load_yaml_value(raw, where) if raw != "" else ""
+        parent = out
+        for i, p in enumerate(path[:-1]):
+            if parent.get(p) is None:
+                parent[p] = {}
+            elif not isinstance(parent[p], dict):
+                inside = key_path(path[:i + 1])
+                raise SpecError(f"{where}: {inside} is {_kind(parent[p])}, not a mapping, so {path[i + 1]!r} cannot be set "
+                                f"inside it; set {inside} itself")
+            parent = parent[p]
+        parent[path[-1]] = value
+        if located is not None:
+            located.replace(path, where)
     return out
 
 
 def load_graph(path: Path | str, overrides: list[str] = ()) -> GraphSpec:
     """Read, merge ``extends``, apply overrides and validate a graph file."""
     data, loc = read_graph_dict(Path(path))
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, list(overrides), located=loc)
     return GraphSpec.from_dict(data, source=str(path), located=loc, base_dir=Path(path).resolve().parent)
 
 
 def graph_from_text(text: str, source: str = "<graph>", overrides: list[str] = ()) -> GraphSpec:
     data, loc = load_yaml_text(text, source)
-    data = apply_overrides(data if isinstance(data, dict) else {}, list(overrides)) if isinstance(data, dict) else data
+    if isinstance(data, dict):
+        data = apply_overrides(data, list(overrides), located=loc)
     return GraphSpec.from_dict(data, source=source, located=loc, base_dir=None)
