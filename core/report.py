@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from draftflow.core.budget import fmt_bytes
 from draftflow.core.plan import GraphPlan
+from draftflow.core.plotting import check_image_output, pyplot, save_figure
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -52,11 +53,10 @@ def expert_cache_line(plan: GraphPlan) -> str:
 
 def draw_plan(plan: GraphPlan, path: str) -> None:
     """Render the graph to an image: solid arrows within a cycle, dashed for carried edges."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import networkx as nx
+
+    check_image_output(path, "--draw", inputs=(plan.spec.source,))
+    plt = pyplot("--draw")
 
     g = plan.graph
     layers = {n: i for i, n in enumerate(plan.order)}
@@ -78,5 +78,7 @@ def draw_plan(plan: GraphPlan, path: str) -> None:
     ax.set_title(f"{plan.spec.name}: dashed = carried to the next cycle")
     ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, "--draw")
+    finally:
+        plt.close(fig)
