@@ -128,8 +128,10 @@ def validate_params(schema: tuple[ParamSpec, ...], raw: dict, base_dir: Path | N
     for spec in schema:
         if spec.name in out:
             continue
-        if spec.required:
+        if spec.required and spec.name not in raw:  # a given but invalid value is already a problem
             problems.append((spec.name, f"missing required parameter {spec.name!r}", f"add params.{spec.name} ({spec.help or spec.type})"))
+        elif spec.required:
+            continue
         else:
             out[spec.name] = spec.default
     return out, problems

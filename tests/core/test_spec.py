@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from helpers import FIXTURES
 
@@ -83,3 +85,103 @@ def test_set_overrides():
         load_graph(FIXTURES / "good_toy.yaml", ["nodes.targte.vocab=3"])
     with pytest.raises(SpecError, match="expected KEY=VALUE"):
         load_graph(FIXTURES / "good_toy.yaml", ["num_draft"])
+
+
+def test_unreadable_graph_file_says_permission_denied(tmp_path, monkeypatch):
+    """A graph file that cannot be opened for lack of permission says so, not 'no such file' (simulated: tests run as root)."""
+    import errno
+
+    from draftflow.core import yamlio
+
+    graph = tmp_path / "g.yaml"
+    graph.write_text("nodes: {t: {plugin: x}}\n")
+
+    def denied(path, mode="r", *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(yamlio, "open", denied, raising=False)
+    with pytest.raises(SpecError, match=r"g\.yaml: cannot read the graph file: permission denied; make the file readable") as info:
+        load_graph(graph)
+    assert "No such file" not in str(info.value)
+
+
+def test_only_plain_tags_are_read():
+    """Tags outside str/int/float/bool/null/timestamp are refused with file:line:col, the key path and the tag; nothing is constructed."""
+    with pytest.raises(SpecError, match=r"^g\.yaml:2:15: nodes\.t\.plugin: the YAML tag !!python/name:os\.system is not allowed"):
+        graph_from_text("nodes:\n  t: {plugin: !!python/name:os.system x}\n", "g.yaml")
+    with pytest.raises(SpecError, match=r"^g\.yaml:1:12: num_draft: 'abc' is not a valid !!int value"):
+        graph_from_text('num_draft: !!int "abc"\nnodes: {t: {plugin: x}}\n', "g.yaml")
+    spec = graph_from_text('name: !!str 7\nnum_draft: !!int "2"\nnodes: {t: {plugin: x}}\n', "g.yaml")
+    assert (spec.name, spec.num_draft) == ("7", 2)
+
+
+def test_alias_copies_are_bounded(monkeypatch):
+    """Aliases may copy at most MAX_ALIAS_COPIES values in all; the error names the anchor and where it was used."""
+    from draftflow.core import yamlio
+
+    monkeypatch.setattr(yamlio, "MAX_ALIAS_COPIES", 20)
+    text = "a: &a [1, 2, 3, 4, 5]\nb: [*a, *a, *a]\n"  # each *a copies 6 values (the list and its items)
+    assert yamlio.load_yaml_text(text, "g.yaml")[0]["b"] == [[1, 2, 3, 4, 5]] * 3  # 18 copies: under the bound
+    with pytest.raises(SpecError, match=r"^g\.yaml:1:4: c\[0\]: aliases \(\*name\) expand to more than 20 copied values"):
+        yamlio.load_yaml_text(text + "c: [*a]\n", "g.yaml")
+
+
+def test_recursive_alias_is_an_error_not_a_recursion_error():
+    """An alias inside the value it names is reported where it is used."""
+    with pytest.raises(SpecError, match=r"^g\.yaml:1:8: nodes\.x: this alias refers to a value that contains it"):
+        graph_from_text("nodes: &a {x: *a}\n", "g.yaml")
+
+
+def test_merge_keys_merge_and_explicit_keys_win():
+    """`<<: *base` merges a shared mapping; keys written beside it override; positions stay with the text."""
+    text = "nodes:\n  a: {plugin: x, params: &p {vocab: 32, context: 64}}\n  b: {plugin: x, params: {<<: *p, vocab: 48}}\n"
+    spec = graph_from_text(text, "g.yaml")
+    assert spec.node("b").params == {"vocab": 48, "context": 64}
+    assert spec.node("a").params == {"vocab": 32, "context": 64}
+    assert spec.at("nodes", "b", "params", "vocab") == "g.yaml:3:35"
+
+
+def test_set_errors_name_the_override_not_the_file():
+    """A wrong value given with --set is blamed on that --set, not on the line of the file it replaced."""
+    with pytest.raises(SpecError, match=r"^--set 'num_draft=x': num_draft must be an integer"):
+        load_graph(FIXTURES / "good_toy.yaml", ["num_draft=x"])
+    spec = load_graph(FIXTURES / "good_toy.yaml", ["nodes.target.kv_mode=banana"])
+    assert spec.at("nodes", "target", "params", "kv_mode") == "--set 'nodes.target.kv_mode=banana'"
+    assert spec.at("nodes", "target", "params", "vocab").startswith(str(FIXTURES))
+
+
+@pytest.mark.parametrize("item, message", [
+    ("nodes..x=1", "has an empty part"),
+    ("nodes.target.vocab.x=1", r"nodes\.target\.params\.vocab is a number, not a mapping"),
+    ("num_draft.x=1", "num_draft is one value with no keys inside"),
+    ("extends=base.yaml", "'extends' is read with the file"),
+    ("nodes.target.params=5", "set one param at a time"),
+    ("name=!!python/name:os.system", "the YAML tag !!python/name:os.system is not allowed"),
+])
+def test_malformed_set_items(item, message):
+    """Each malformed --set is one SpecError naming the --set."""
+    with pytest.raises(SpecError, match=message) as info:
+        load_graph(FIXTURES / "good_toy.yaml", [item])
+    assert str(info.value).startswith(f"--set {item!r}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("built, count, device, message", [
+    (False, 0, "cuda", r"needs CUDA, but this torch build .* has no CUDA support"),
+    (True, 0, "cuda:0", "is built with CUDA but sees no CUDA device"),
+    (True, 1, "cuda:1", r"device 'cuda:1' does not exist: this machine has 1 CUDA device$"),
+    (True, 2, "cuda:1", None),
+])
+def test_device_problem(monkeypatch, built, count, device, message):
+    """An unusable CUDA device is a check problem naming the reason (no CUDA build, no device, index out of range)."""
+    import torch
+
+    from draftflow.core.plan import device_problem
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: built)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    found = device_problem(device)
+    if message is None:
+        assert found is None
+    else:
+        assert re.search(message, found[0]) and "device cpu" in found[1]
+    assert device_problem("cpu") is None
