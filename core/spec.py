@@ -248,15 +248,17 @@ def _override_path(parts: list[str], data: dict, where: str) -> tuple:
     return (parts[0],)
 
 
-def apply_overrides(data: dict, overrides: list[str], source: str = "--set", located: Located | None = None) -> dict:
+def apply_overrides(data: dict, overrides: list, source: str = "--set", located: Located | None = None) -> dict:
     """Apply ``key.path=value`` overrides; ``nodes.X.P=v`` is short for ``nodes.X.params.P=v``.
 
     Values are YAML, read under the rules of a graph file. With ``located``, later errors about an
-    overridden value name the override that gave it rather than a line of the file.
+    overridden value name the override that gave it rather than a line of the file. An override is
+    ``"KEY=VALUE"`` (errors name it ``--set 'KEY=VALUE'``) or ``(label, "KEY=VALUE")`` for one that
+    another flag stands for, e.g. ``("--device 'cuda'", "device=cuda")``.
     """
     out = copy.deepcopy(data)
-    for item in overrides:
-        where = f"{source} {item!r}"
+    for entry in overrides:
+        where, item = entry if isinstance(entry, tuple) else (f"{source} {entry!r}", entry)
         if "=" not in item:
             raise SpecError(f"{where}: expected KEY=VALUE, e.g. nodes.target.params.kv_mode=grow or num_draft=8")
         key, raw = item.split("=", 1)

@@ -185,3 +185,9 @@ def test_device_problem(monkeypatch, built, count, device, message):
     else:
         assert re.search(message, found[0]) and "device cpu" in found[1]
     assert device_problem("cpu") is None
+
+
+def test_override_from_another_flag_is_named_by_that_flag():
+    """An override given as (label, KEY=VALUE), e.g. what --device stands for, is blamed on that label."""
+    with pytest.raises(SpecError, match=r"^--device 'banana': device 'banana' is not"):
+        load_graph(FIXTURES / "good_toy.yaml", [("--device 'banana'", "device=banana")])
