@@ -72,7 +72,7 @@ class DFlash2Config:
         if not isinstance(arch, list) or ARCHITECTURE not in arch:
             raise ModelFormatError(f"{source}: architectures is {arch!r}; expected ['{ARCHITECTURE}']; "
                                    "a DFlash (v1) drafter runs with plugin: dflash")
-        extra = d.get("dflash_config") or {}
+        extra = {} if d.get("dflash_config") is None else d["dflash_config"]
         if not isinstance(extra, dict):
             raise ModelFormatError(f"{source}: field 'dflash_config' is {extra!r}; expected an object; fix the config")
         values = {}

@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.target.config import TargetConfig, expected_tensors
-from draftflow.plugins.target.hf_loader import read_config
+from draftflow.plugins.target.hf_loader import file_problem, read_config
 
 LAYOUTS = ("deepseek-v3", "qwen3-next")
 # Our module name -> checkpoint suffix, per layout (the block is added from the config).
@@ -61,8 +61,10 @@ def _files(path: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OSError) as exc:
             raise ModelFormatError(f"{index}: no readable 'weight_map' ({exc}); re-save the checkpoint") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelFormatError(f"{index}: 'weight_map' is not a tensor -> file mapping; re-save the checkpoint")
         return sorted({path / f for f in weight_map.values()})
     return sorted(path.glob("*.safetensors"))
 
@@ -70,6 +72,10 @@ def _files(path: Path) -> list[Path]:
 def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     found = {}
     for file in files:
+        problem = file_problem(file)
+        if problem:
+            raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a safetensors file; "
+                                   "check the path and its permissions")
         try:
             with safe_open(str(file), framework="pt") as h:
                 for name in h.keys():

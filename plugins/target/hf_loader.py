@@ -154,9 +154,9 @@ def _shard_map(root: Path) -> dict[str, Path]:
     index = root / "model.safetensors.index.json"
     if index.exists():
         weight_map = _read_json(index, required=True).get("weight_map")
-        if not isinstance(weight_map, dict):
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ModelFormatError(
-                f"{index}: field 'weight_map' is missing; expected a tensor->file mapping; re-save the checkpoint"
+                f"{index}: field 'weight_map' is {weight_map!r:.80}; expected a tensor->file mapping; re-save the checkpoint"
             )
         return {_canonical(name): root / file for name, file in weight_map.items()}
     single = root / "model.safetensors"
@@ -232,6 +232,10 @@ def file_problem(file: Path) -> str | None:
 def _read_tokenizer(file: Path) -> Tokenizer | None:
     if not file.exists() and not file.is_symlink():  # a broken link is an error below, not "no tokenizer"
         return None
+    problem = file_problem(file)
+    if problem:
+        raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a tokenizers JSON file; "
+                               "check the path and its permissions")
     try:
         return Tokenizer.from_file(str(file))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
