@@ -60,6 +60,14 @@ def _replace(name, file, how):
     return setup
 
 
+def _nan_weights(tmp):
+    """A copy of the demo target whose every weight is NaN (a corrupt checkpoint that still parses)."""
+    from safetensors.torch import load_file, save_file
+
+    file = copy_demo(tmp) / "model.safetensors"
+    save_file({k: v.fill_(float("nan")) for k, v in load_file(file).items()}, file)
+
+
 def _many_bad_edges(tmp):
     lines = ["nodes:", "  target: {plugin: toy-target}", "  drafter: {plugin: toy-drafter}", "  verify: {plugin: verifier}",
              "edges:"]
@@ -251,6 +259,8 @@ CASES = [
     Case("check-safetensors-truncated", ["generate", "--target", "{tmp}/target", "--max-new-tokens", "1", "x"],
          r"model\.safetensors: not a readable safetensors file",
          setup=lambda tmp: (lambda f: f.write_bytes(f.read_bytes()[:1000]))(copy_demo(tmp) / "model.safetensors")),
+    Case("check-nan-weights", ["generate", "--target", "{tmp}/target", "--max-new-tokens", "4", "x"],
+         r"node 'target' \(target, .*target\) produced NaN or infinite logits", setup=_nan_weights),
     Case("check-mtp-weights-directory", ["check", "{tmp}/g.yaml"], r"mtp\.safetensors: cannot be read: a directory",
          files={"g.yaml": _graph(str(DEMO / "target"), (3,), ("mtp", "mtp"))}, setup=_replace("mtp", "mtp.safetensors", "dir"),
          lines=2),
