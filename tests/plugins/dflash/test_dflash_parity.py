@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash_testlib import build_reference, save_reference, spread
+from dflash_testlib import DRAFT_KW, build_reference, save_reference, spread
 from dflash.model import _crop_to, _make_cache
+
+from numerics import assert_close_to_scale, tiny_model_bound
 
 from draftflow.plugins.dflash.config import kv_shape
 from draftflow.plugins.dflash.loader import load_drafter
@@ -51,4 +53,4 @@ def test_draft_logits_match_reference_across_cycles(tmp_path, variant):
         ours.add_context(features, start - ctx_rows, cache)
         got = draft_logits(ours(block, cache)[:, 1:], head.weight, cfg)
         assert cache.length == start
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_close_to_scale(got, want, tiny_model_bound(DRAFT_KW["num_hidden_layers"]), "draft logits")

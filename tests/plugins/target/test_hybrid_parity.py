@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from hybrid_testlib import VOCAB, build_hybrid, save
+from hybrid_testlib import HYBRID_KW, VOCAB, build_hybrid, save
+from numerics import assert_close_to_scale, reduction_bound, scaled_error
 
 from draftflow.core.executor import Executor
 from draftflow.core.node import SamplingParams
@@ -35,10 +36,6 @@ def _run(loaded, tokens, window: int = 16):
     return logits, taps, state
 
 
-def _rel(a, b) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def test_logits_and_taps_match_transformers(pair):
     """Chunked prefill (150 tokens, 3 chunks) and a recorded window: logits within 1e-4, taps after every layer kind too."""
     ref, _, loaded = pair
@@ -48,12 +45,20 @@ def test_logits_and_taps_match_transformers(pair):
     want_taps = torch.cat(out.hidden_states[1:5], dim=-1)
     for length in (150, 9):  # > window: chunked path; <= window: per-position recurrent path
         logits, taps, _ = _run(loaded, tokens[:, :length])
-        assert _rel(logits, out.logits[:, :length]) < 1e-4
-        assert _rel(taps, want_taps[:, :length]) < 1e-4
+        assert scaled_error(logits, out.logits[:, :length]) < 1e-4
+        assert scaled_error(taps, want_taps[:, :length]) < 1e-4
 
 
 def test_chunked_prefill_equals_token_by_token(pair):
-    """Prefill in one chunked forward == feeding tokens one at a time: logits and conv/recurrent states."""
+    """Prefill in one chunked forward == feeding tokens one at a time: logits and conv/recurrent states.
+
+    Same math, other float order, so not bit-equal: the conv state holds raw in_proj outputs, and even layer 0's
+    differ (a 100-row matmul and 1-row matmuls accumulate in another order, ~3 eps); deeper layers' inputs carry
+    the earlier layers' differences (the chunked delta rule is 1-20 eps from the recurrence against float64).
+    States are bounded as reductions in series (gamma_n: layers x the longest reduction, 100 positions here);
+    logits sit further down the chain, where this model amplifies the error (up to 650 eps over 8 prompts on
+    scalar, AVX2 and AVX-512 kernels), so they get 2e-4 of their scale. A wrong state is off by 1e-2 or more.
+    """
     _, _, loaded = pair
     tokens = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(6))
     whole, _, whole_state = _run(loaded, tokens)
@@ -65,10 +70,10 @@ def test_chunked_prefill_equals_token_by_token(pair):
         cache.commit(i + 1)
         state.commit(i + 1)
         rows.append(logits)
-    assert _rel(torch.cat(rows, 1), whole) < 1e-4
-    tail = state.kernel_tail
-    torch.testing.assert_close(state.conv[..., :tail], whole_state.conv[..., :tail], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(state.rec[:, 0], whole_state.rec[:, 0], rtol=1e-4, atol=1e-5)
+    assert_close_to_scale(torch.cat(rows, 1), whole, 2e-4, "logits")
+    tail, bound = state.kernel_tail, reduction_bound(tokens.shape[1], HYBRID_KW["num_hidden_layers"])  # 400 eps
+    assert_close_to_scale(state.conv[..., :tail], whole_state.conv[..., :tail], bound, "conv state")
+    assert_close_to_scale(state.rec[:, 0], whole_state.rec[:, 0], bound, "recurrent state")
 
 
 def test_greedy_64_tokens_identical_to_transformers_generate(pair):
@@ -117,4 +122,4 @@ def test_sparse_moe_layers_with_shared_expert_match_transformers(tmp_path):
         want = ref(tokens).logits
     for length in (80, 7):
         logits, _, _ = _run(loaded, tokens[:, :length])
-        assert _rel(logits, want[:, :length]) < 1e-4
+        assert scaled_error(logits, want[:, :length]) < 1e-4

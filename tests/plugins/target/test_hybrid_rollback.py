@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hybrid_testlib import build_hybrid, fresh_states, save
+from numerics import assert_close_to_scale
 
 from draftflow.core.executor import Executor
 from draftflow.core.hookspecs import hookimpl
@@ -47,10 +48,10 @@ class StateChecker:
         state, fresh = target.linear, fresh_states(target, self.tokens[:-1])
         assert state.length == target.cache.length == len(self.tokens) - 1
         tail = state.kernel_tail
-        torch.testing.assert_close(state.conv[..., :tail], fresh.conv[..., :tail], rtol=1e-3, atol=2e-4,
-                                   msg=lambda m: f"cycle {event['cycle']}: conv state differs from a fresh run: {m}")
-        torch.testing.assert_close(state.rec[:, 0], fresh.rec[:, 0], rtol=1e-3, atol=2e-4,
-                                   msg=lambda m: f"cycle {event['cycle']}: recurrent state differs from a fresh run: {m}")
+        # Up to 40 verify windows in series against one chunked prefill: 1e-4 of the states' scale (~840 eps; the
+        # windows measured <= 143 eps on scalar, AVX2 and AVX-512 kernels), where a wrong selection is >= 1e-2 off.
+        assert_close_to_scale(state.conv[..., :tail], fresh.conv[..., :tail], 1e-4, f"cycle {event['cycle']}: conv state")
+        assert_close_to_scale(state.rec[:, 0], fresh.rec[:, 0], 1e-4, f"cycle {event['cycle']}: recurrent state")
         with torch.inference_mode():  # a probe window: computed but never committed, so it leaves no trace
             cached, _ = target.model(torch.tensor([[self.tokens[-1]]]), state.length, target.cache, logit_rows=1,
                                      linear=state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import assert_close_to_scale, scaled_error, tiny_model_bound
 from target_testlib import LLAMA3_ROPE, VOCAB, hf_greedy, our_greedy
 
 from draftflow.plugins.target.hf_loader import load_hf
@@ -20,10 +21,6 @@ CASES = {
 }
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).abs().max() / ref.abs().max()).item()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_logits_taps_and_greedy_match_transformers(hf_dir, case):
     """Logits (1e-4 of scale), taps = hidden_states[L+1] and 64-token greedy runs match transformers."""
@@ -35,9 +32,9 @@ def test_logits_taps_and_greedy_match_transformers(hf_dir, case):
         ref = hf(tokens, output_hidden_states=True)
     cache = KVCache.growing(loaded.config, 2, 64, torch.float32, "cpu")
     logits, taps = loaded.model(tokens, 0, cache, tap_layers=(1, 0))
-    assert _rel(logits, ref.logits) <= 1e-4
-    assert torch.allclose(taps[..., :64], ref.hidden_states[2], atol=1e-5, rtol=1e-5)
-    assert torch.allclose(taps[..., 64:], ref.hidden_states[1], atol=1e-5, rtol=1e-5)
+    assert scaled_error(logits, ref.logits) <= 1e-4
+    assert_close_to_scale(taps[..., :64], ref.hidden_states[2], tiny_model_bound(2), "layer-1 taps")
+    assert_close_to_scale(taps[..., 64:], ref.hidden_states[1], tiny_model_bound(2), "layer-0 taps")
 
     prompt = tokens[:1, :8]
     assert our_greedy(loaded.model, loaded.config, prompt, 64) == hf_greedy(hf, prompt, 64)
@@ -53,7 +50,7 @@ def test_llama3_rope_scaling_changes_the_model(hf_dir):
     tokens = torch.arange(60)[None] % VOCAB
     a, _ = scaled.model(tokens, 0, KVCache.growing(scaled.config, 1, 64, torch.float32, "cpu"))
     b, _ = plain.model(tokens, 0, KVCache.growing(plain.config, 1, 64, torch.float32, "cpu"))
-    assert _rel(a, b) > 1e-3
+    assert scaled_error(a, b) > 1e-3
 
 
 def test_sharded_checkpoint_loads(hf_dir):
@@ -67,7 +64,7 @@ def test_sharded_checkpoint_loads(hf_dir):
         ref = hf(tokens).logits
     logits, taps = loaded.model(tokens, 0, KVCache.growing(loaded.config, 1, 16, torch.float32, "cpu"))
     assert taps is None
-    assert _rel(logits, ref) <= 1e-4
+    assert scaled_error(logits, ref) <= 1e-4
 
 
 def test_generation_config_eos_list_is_used(hf_dir):

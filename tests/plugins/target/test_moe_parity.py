@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_testlib import NUM_EXPERTS, TOP_K, VOCAB, build_hf_moe, save_hf_moe
+from numerics import scaled_error
 from safetensors.torch import save_file
 from target_testlib import hf_greedy, our_greedy
 
@@ -23,10 +24,6 @@ def pair(tmp_path_factory):
     return hf, load_hf(save_hf_moe(hf, tmp_path_factory.mktemp("moe") / "hf"), "cpu", torch.float32)
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).abs().max() / ref.abs().max()).item()
-
-
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))  # [2, 24]
 
 
@@ -41,7 +38,7 @@ def test_logits_and_greedy_match_transformers_at_every_residency(pair):
     for name, resident in FRACTIONS.items():
         cache = loaded.model.set_expert_cache(resident)
         logits, _ = loaded.model(TOKENS, 0, KVCache.growing(loaded.config, 2, 64, torch.float32, "cpu"))
-        assert _rel(logits, ref) <= 1e-4, name
+        assert scaled_error(logits, ref) <= 1e-4, name
         outputs[name] = logits
         assert our_greedy(loaded.model, loaded.config, prompt, 64) == want, name
         if resident < TOTAL:
@@ -59,7 +56,7 @@ def test_dense_layers_and_plain_topk_match_transformers(tmp_path):
         ref = hf(TOKENS).logits
     loaded.model.set_expert_cache(2 * TOP_K + 3)
     logits, _ = loaded.model(TOKENS, 0, KVCache.growing(loaded.config, 2, 64, torch.float32, "cpu"))
-    assert _rel(logits, ref) <= 1e-4
+    assert scaled_error(logits, ref) <= 1e-4
 
 
 def test_fused_transformers5_expert_tensors_load(pair, tmp_path):
