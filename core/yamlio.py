@@ -102,7 +102,7 @@ class _Reader:
                 self.copying, outermost = (node, path), True
             if self.copies > MAX_ALIAS_COPIES:
                 raise self.fail(*self.copying, f"aliases (*name) expand to more than {MAX_ALIAS_COPIES:,} copied values "
-                                                         "(nested aliases grow exponentially); write the values out or use fewer aliases")
+                                               "(nested aliases grow exponentially); write the values out or use fewer aliases")
         self.seen.add(node)
         self.on_path.add(node)
         try:
