@@ -88,6 +88,9 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
 def _config_path(path: Path, config: str) -> Path:
     if config:
         c = Path(config)
+        if not c.exists() or (c.is_file() and c.name != "config.json"):
+            raise ModelFormatError(f"{config}: no such config directory or config.json; point params.config at the "
+                                   "model's config.json or the directory holding it")
         return c.parent if c.name == "config.json" else c
     return path.parent if path.is_file() else path
 
