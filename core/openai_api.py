@@ -10,15 +10,17 @@ Field-by-field reference: docs/SERVING.md.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
 import attrs
 
 from draftflow.core.errors import DraftflowError
-from draftflow.core.node import SamplingParams
+from draftflow.core.node import MAX_SEED, SamplingParams
 
 MAX_STOP_STRINGS = 16
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Accepted only at their "off" value: draftflow has no implementation of them.
 UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
@@ -101,13 +103,24 @@ class ChatTemplate:
         return cls(source, token("bos_token"), token("eos_token"))
 
     def render(self, messages: list[dict], kwargs: dict) -> str:
-        from jinja2 import TemplateError
-
+        """The prompt text. The request's ``chat_template_kwargs`` override our defaults (as in vLLM), so
+        ``{"add_generation_prompt": false}`` continues the last message; ``messages`` comes only from its field."""
+        variables = {"add_generation_prompt": True, "bos_token": self.bos_token, "eos_token": self.eos_token,
+                     "tools": None, **kwargs, "messages": messages}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                        eos_token=self.eos_token, tools=None, **kwargs)
-        except TemplateError as exc:
-            raise ApiError(400, f"rendering the chat template failed: {exc}", param="messages") from None
+            return self.template.render(variables)
+        except ApiError:  # raise_exception() in the template
+            raise
+        except Exception as exc:  # noqa: BLE001 - the template ran on the request's data: a request error
+            raise ApiError(400, f"rendering the chat template failed: {type(exc).__name__}: {exc}",
+                           param="messages") from None
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _get(body: dict, key: str, types, default=None, check=None, why: str = ""):
@@ -148,8 +161,10 @@ class Api:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {list(self.model_names)}",
                            param="model", code="model_not_found")
         for key, off in UNSUPPORTED.items():
-            if key in body and body[key] not in off:
-                raise ApiError(400, f"'{key}' is not supported by draftflow serve; leave it out", param=key)
+            if key in body and (body[key] not in off or isinstance(body[key], bool) != isinstance(off[-1], bool)):
+                allowed = " or ".join(json.dumps(v) for v in off if v is not None)
+                raise ApiError(400, f"'{key}' is not supported by draftflow serve (only {allowed}, got "
+                                    f"{json.dumps(body[key])[:80]}); leave it out", param=key)
         fmt = body.get("response_format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
             raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported", param="response_format")
@@ -163,13 +178,14 @@ class Api:
             raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) + {max_key} ({max_tokens}) exceeds the context "
                                 f"of {context} tokens; shorten the prompt or lower {max_key}", param=max_key)
         top_k = _get(body, "top_k", int, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0 = off)")
-        stop_ids = _get(body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) and not isinstance(t, bool)
-                                                                          for t in v), "a list of token ids")
+        stop_ids = _get(body, "stop_token_ids", list, [], lambda v: all(self._is_token_id(t) for t in v),
+                        f"a list of token ids in [0, {self.vocab_size})" if self.vocab_size else "a list of token ids")
         sampling = SamplingParams(
-            temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: v >= 0, "a number >= 0")),
+            temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: _finite(v) and v >= 0,
+                                   "a finite number >= 0")),
             top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
             top_k=max(0, top_k),
-            seed=_get(body, "seed", int, None, None, "an integer"),
+            seed=_get(body, "seed", int, None, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"),
             max_new_tokens=max_tokens,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_get(body, "ignore_eos", bool, False, None, "true or false"))
@@ -179,11 +195,18 @@ class Api:
             raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                            param="stop")
         options = _get(body, "stream_options", dict, {}, None, "an object")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise ApiError(400, f"'stream_options.include_usage' must be true or false, got {include_usage!r}",
+                           param="stream_options")
         return Parsed(kind, model, prompt_ids, sampling, tuple(stop),
                       stream=_get(body, "stream", bool, False, None, "true or false"),
-                      include_usage=bool(options.get("include_usage")),
+                      include_usage=include_usage,
                       spec_stats=_get(body, "return_spec_stats", bool, self.spec_stats_default, None, "true or false"),
                       user=_get(body, "user", str, None, None, "a string"))
+
+    def _is_token_id(self, t) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (self.vocab_size or math.inf)
 
     def _encode(self, text: str, param: str) -> list[int]:
         try:
@@ -198,7 +221,7 @@ class Api:
         if isinstance(prompt, str) and prompt:
             return self._encode(prompt, "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt):
+            if not all(self._is_token_id(t) for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {self.vocab_size})", param="prompt")
             return list(prompt)
         raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids "
@@ -218,11 +241,16 @@ class Api:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
                 raise ApiError(400, f"messages[{i}] must be an object with a string 'role' and string 'content'",
                                param="messages")
+            if m["role"] not in ROLES:
+                raise ApiError(400, f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}", param="messages")
             clean.append({**m, "content": content or ""})
+        kwargs = _get(body, "chat_template_kwargs", dict, {}, None, "an object of template variables")
+        if "messages" in kwargs:
+            raise ApiError(400, "'chat_template_kwargs' may not set 'messages'; send them in the 'messages' field",
+                           param="chat_template_kwargs")
         if self.chat_template is None:
             raise ApiError(400, "this model has no chat template (no 'chat_template' in tokenizer_config.json and no "
                                 "chat_template.jinja next to it); use /v1/completions or add a template", param="messages")
-        kwargs = _get(body, "chat_template_kwargs", dict, {}, None, "an object")
         return self._encode(self.chat_template.render(clean, kwargs), "messages")
 
 

@@ -9,14 +9,17 @@ cycle). Endpoints, fields, errors and metrics: docs/SERVING.md.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import os
 import queue
+import re
 import select
 import signal
 import socket
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,6 +34,9 @@ from draftflow.core.session import Session
 log = structlog.get_logger("draftflow")
 POLL_S = 0.1  # how often a waiting handler checks whether its client is still there
 DRAIN_LIMIT = 64 << 20  # an oversize body up to this size is read and dropped so the client sees the 413
+IDLE_TIMEOUT_S = 60.0  # a connection that sends nothing (idle keep-alive, half a request) for this long is closed
+BACKLOG_MIN = 128  # listen backlog floor: the classic SOMAXCONN (the kernel caps any value at net.core.somaxconn)
+BACKLOG_MAX = 65535
 
 
 @attrs.frozen
@@ -49,25 +55,58 @@ class ServeConfig:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; streamed bodies use chunked transfer encoding
     server: DraftflowServer  # set by socketserver
+    timeout = IDLE_TIMEOUT_S  # socket timeout: a stalled client frees its thread instead of holding it forever
+    default_request_version = "HTTP/1.0"  # so an error for a garbled request line still has a status line
+    responded = False  # a status line went out for the current request (a late failure cannot send a 500 then)
+    check_client_at = 0.0  # monotonic time of the next _client_gone check while waiting for events
 
     def log_message(self, format, *args):
         log.info("http", client=self.client_address[0], line=format % args)
 
+    def handle_one_request(self):
+        """One request; a client that vanishes mid-request is logged at info and costs nothing but its thread."""
+        self.responded = False
+        try:
+            super().handle_one_request()
+        except (ConnectionError, TimeoutError) as exc:  # reset, broken pipe, or silent past IDLE_TIMEOUT_S
+            log.info("client_gone", client=self.client_address[0], error=f"{type(exc).__name__}: {exc}")
+            self.close_connection = True
+
+    def send_response(self, code, message=None):
+        self.responded = True
+        super().send_response(code, message)
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own errors (bad request line, headers too large, unknown method) as JSON."""
+        self.close_connection = True
+        self._send_error(ApiError(code, message or self.responses.get(code, ("error",))[0]))
+
     # --- plumbing -----------------------------------------------------------------------
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
-        data = json.dumps(obj).encode()
+        self._send_body(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def _send_body(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _send_error(self, err: ApiError) -> None:
         self.server.engine.metrics.http_error(err.status)
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
         self._send_json(err.status, err.body(), headers)
+
+    def _fail(self, exc: Exception, request_id: str | None = None) -> None:
+        """A bug while handling a request: log it with its traceback, answer 500 if nothing was sent yet."""
+        log.error("request_failed", status=500, method=self.command, path=self.path, request_id=request_id,
+                  error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        self.close_connection = True
+        if not self.responded:
+            self._send_error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
 
     def _client_gone(self) -> bool:
         try:
@@ -87,24 +126,41 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
         return "key:" + given
 
-    def _read_json(self) -> dict:
+    def _content_length(self) -> int | None:
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        return int(length) if length is not None and re.fullmatch(r"[0-9]+", length.strip()) else None
+
+    def _discard_body(self) -> None:
+        """Read and drop the body of a refused request (up to DRAIN_LIMIT) so the client gets the answer, not a
+        reset for unread data; then close."""
+        self.close_connection = True
+        length = self._content_length() or 0
+        while 0 < length <= DRAIN_LIMIT:
+            got = self.rfile.read(min(length, 1 << 16))
+            length = length - len(got) if got else 0
+
+    def _read_json(self) -> dict:
+        length = self._content_length()
+        if length is None:
             self.close_connection = True
-            raise ApiError(411 if length is None else 400, "send the JSON body with a Content-Length header")
-        length, limit = int(length), self.server.config.max_body_bytes
+            raise ApiError(411 if "Content-Length" not in self.headers else 400,
+                           "send the JSON body with a Content-Length header (a decimal byte count)")
+        limit = self.server.config.max_body_bytes
         if length > limit:
-            while 0 < length <= DRAIN_LIMIT:
-                got = self.rfile.read(min(length, 1 << 16))
-                length = length - len(got) if got else 0
-            self.close_connection = True
-            raise ApiError(413, f"the request body has {int(self.headers['Content-Length'])} bytes; the limit is {limit} "
+            self._discard_body()
+            raise ApiError(413, f"the request body has {length} bytes; the limit is {limit} "
                                 "(draftflow serve --max-body-bytes)", code="request_too_large")
         raw = self.rfile.read(length)
+        if len(raw) < length:  # the client closed its side early; the answer is for a client still reading
+            self.close_connection = True
+            raise ApiError(400, f"the request body ended after {len(raw)} of its {length} bytes (Content-Length)",
+                           code="invalid_json")
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         return body
@@ -117,30 +173,45 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200, {"status": "ok"})
             elif path == "/metrics":
                 data = self.server.engine.metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self._send_body(200, data, "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/v1/models":
                 self._authorize()
                 self._send_json(200, self.server.api.models())
-            elif path in ("/v1/completions", "/v1/chat/completions"):
-                raise ApiError(405, f"{path} takes POST", code="method_not_allowed")
             else:
-                raise ApiError(404, f"no route {path}; see docs/SERVING.md for the endpoints", code="not_found")
+                self._no_route(path)
         except ApiError as err:
             self._send_error(err)
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500 and is logged; the server keeps serving
+            self._fail(exc)
+
+    do_HEAD = do_GET  # same status and headers, no body (_send_body)
+
+    def _no_route(self, path: str) -> None:
+        """404 for an unknown path, 405 for a known path asked with the wrong method."""
+        self._discard_body()
+        takes = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/health": "GET, HEAD",
+                 "/metrics": "GET, HEAD", "/v1/models": "GET, HEAD"}.get(path)
+        if takes:
+            raise ApiError(405, f"{path} takes {takes}, not {self.command}", code="method_not_allowed")
+        raise ApiError(404, f"no route {path}; see docs/SERVING.md for the endpoints", code="not_found")
+
+    def _other_method(self):
+        try:
+            self._no_route(self.path.split("?", 1)[0])
+        except ApiError as err:
+            self._send_error(err)
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other_method
 
     def do_POST(self):
         path = self.path.split("?", 1)[0]
         kind = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
+        req = None
         try:
             if kind is None:
-                self.close_connection = True  # the body stays unread
-                if path in ("/health", "/metrics", "/v1/models"):
-                    raise ApiError(405, f"{path} takes GET", code="method_not_allowed")
-                raise ApiError(404, f"no route {path}; see docs/SERVING.md for the endpoints", code="not_found")
+                self._no_route(path)
             body = self._read_json()  # first, so no unread body is left on a kept-alive connection
             client = self._authorize()
             parsed = self.server.api.parse(kind, body)
@@ -152,25 +223,37 @@ class Handler(BaseHTTPRequestHandler):
                 self.server.engine.submit(req)
             except QueueFull as exc:
                 raise ApiError(503, str(exc), code="queue_full", type_="server_error") from None
+            self._stream(parsed, req) if parsed.stream else self._respond(parsed, req)
         except ApiError as err:
             self._send_error(err)
-            return
-        try:
-            self._stream(parsed, req) if parsed.stream else self._respond(parsed, req)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            self.server.engine.cancel(req)
-            self.close_connection = True
+        except DraftflowError as exc:  # e.g. RequestError from SamplingParams: the request is wrong, not the server
+            self._send_error(ApiError(400, str(exc)))
+        except (ConnectionError, TimeoutError):  # the client left: its request must not run on
+            if req is not None:
+                self.server.engine.cancel(req)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500 and is logged; the server keeps serving
+            if req is not None:
+                self.server.engine.cancel(req)
+            self._fail(exc, req.id if req is not None else None)
 
     def _next_event(self, req: ServeRequest):
-        """The next event of ``req``, or None once the client has gone (the request is then cancelled)."""
+        """The next event of ``req``, or None once the client has gone (the request is then cancelled).
+
+        The socket is checked every POLL_S even while events keep coming: a non-streamed request
+        writes nothing until it ends, so a departed client is only noticed here.
+        """
         while True:
-            try:
-                return req.events.get(timeout=POLL_S)
-            except queue.Empty:
+            if time.monotonic() >= self.check_client_at:
+                self.check_client_at = time.monotonic() + POLL_S
                 if self._client_gone():
                     self.server.engine.cancel(req)
                     self.close_connection = True
                     return None
+            try:
+                return req.events.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
 
     def _respond(self, parsed, req: ServeRequest) -> None:
         parts = []
@@ -230,20 +313,79 @@ def _event_error(event) -> ApiError:
     return ApiError(status, message, type_="server_error" if status >= 500 else "invalid_request_error")
 
 
+def backlog(max_waiting: int) -> int:
+    """The listen backlog for a server that lets ``max_waiting`` requests wait.
+
+    Connections of a burst queue in the kernel until the accept loop takes them; past the
+    backlog they are reset (the standard library's default of 5 reset 27 of 96 connections
+    of 32 clients). A burst can be the whole waiting line at once, each request on its own
+    connection, plus as many again past the line (who must get their 503, not a reset),
+    plus some health checks and metric scrapes (16). 128 is the floor; the kernel caps the
+    value at net.core.somaxconn.
+    """
+    return min(max(BACKLOG_MIN, 2 * max_waiting + 16), BACKLOG_MAX)
+
+
+def listen_family(host: str, port: int) -> int:
+    """The address family (IPv4 or IPv6) of ``host``; raises DraftflowError when it cannot be listened on."""
+    if not 0 <= port <= 65535:
+        raise DraftflowError(f"--port {port} is outside 0..65535; choose a free port, or 0 to let the system pick one")
+    try:
+        return socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise DraftflowError(f"--host {host!r}: cannot resolve it ({reason}); pass an address of this machine such "
+                             "as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+
+
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """The one-line message for a failed bind."""
+    where = f"cannot listen on {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: the address is already in use (another server?); stop it or choose another --port"
+    if exc.errno == errno.EACCES:
+        return f"{where}: permission denied (ports below 1024 need root); choose a --port of 1024 or above"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine; use 127.0.0.1 or 0.0.0.0 as --host"
+    return f"{where}: {exc.strerror or exc}; check --host and --port"
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind and release ``host:port`` once, so a taken port is reported before the model loads."""
+    family = listen_family(host, port)
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise DraftflowError(listen_error(host, port, exc)) from None
+
+
 class DraftflowServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    allow_reuse_port = False  # two servers on one port would split its clients silently
 
     def __init__(self, config: ServeConfig, engine: Engine):
         self.config, self.engine = config, engine
         names = config.model_names or (engine.executor.plan.spec.name,)
         self.api = Api(engine, tuple(names), config.max_tokens_limit, config.default_max_tokens, config.spec_stats)
+        self.request_queue_size = backlog(config.max_waiting)  # read by server_activate's listen()
+        self.address_family = listen_family(config.host, config.port)
         super().__init__((config.host, config.port), Handler)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if self.address_family == socket.AF_INET6 else f"http://{host}:{port}"
+
+    def handle_error(self, request, client_address):
+        """Whatever escaped a handler: a departed client at info, anything else logged with its traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.info("client_gone", client=client_address[0], error=f"{type(exc).__name__}: {exc}")
+        else:
+            log.error("connection_failed", client=client_address[0], error=f"{type(exc).__name__}: {exc}", exc_info=exc)
 
 
 def serve(session, config: ServeConfig, ready=None) -> None:
@@ -253,7 +395,10 @@ def serve(session, config: ServeConfig, ready=None) -> None:
         server = DraftflowServer(config, engine)
     except OSError as exc:
         engine.close()
-        raise DraftflowError(f"cannot listen on {config.host}:{config.port}: {exc.strerror}; choose another --port") from None
+        raise DraftflowError(listen_error(config.host, config.port, exc)) from None
+    except DraftflowError:
+        engine.close()
+        raise
     try:
         if ready is not None:
             ready(server)
@@ -269,11 +414,19 @@ def serve(session, config: ServeConfig, ready=None) -> None:
 def run_serve(args) -> int:
     """`draftflow serve GRAPH`: check and open the graph, then listen until SIGINT / SIGTERM."""
     for flag in ("max_waiting", "max_body_bytes", "max_tokens_limit", "default_max_tokens"):
-        if getattr(args, flag) < (0 if flag == "max_waiting" else 1):
-            raise DraftflowError(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be positive")
+        if getattr(args, flag) < 1:  # --max-waiting 0 would refuse every request: each one waits before it runs
+            raise DraftflowError(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be at least 1")
+    if args.default_max_tokens > args.max_tokens_limit:
+        raise DraftflowError(f"--default-max-tokens {args.default_max_tokens} is above --max-tokens-limit "
+                             f"{args.max_tokens_limit}; lower it or raise the limit")
+    for flag, values in (("--api-key", args.api_keys), ("--served-model-name", args.model_names)):
+        if any(not v.strip() for v in values):
+            raise DraftflowError(f"{flag} is empty; pass a non-empty value")
     keys = tuple(args.api_keys) or tuple(k for k in [os.environ.get("DRAFTFLOW_API_KEY")] if k)
+    check_listen(args.host, args.port)  # a taken port or a wrong --host before the model loads
     # Session.open runs the full `check` (every problem at once) before anything is allocated or bound.
-    session = Session.open(graph_path=Path(args.graph), overrides=args.overrides, trace=args.trace)
+    session = Session.open(graph_path=Path(args.graph), overrides=args.overrides, trace=args.trace,
+                           threads=getattr(args, "threads", None))
     print(f"draftflow serve: graph '{session.plan.spec.name}' checked: {len(session.plan.order)} nodes, "
           f"num_draft {session.plan.spec.num_draft}, context {session.executor.kv_tokens} tokens", file=sys.stderr)
     config = ServeConfig(host=args.host, port=args.port, api_keys=keys, max_body_bytes=args.max_body_bytes,

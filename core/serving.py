@@ -240,7 +240,7 @@ class Engine:
             req.events.put(("error", 400, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001 - a bug must not take the server down
-            log.exception("request_failed", request_id=req.id)
+            log.error("request_failed", status=500, request_id=req.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
             self.metrics.finish(req, "error", 0)
             req.events.put(("error", 500, f"internal error while generating: {type(exc).__name__}: {exc}"))
             return

@@ -119,7 +119,8 @@ def main(argv=None) -> int:
         from draftflow.core.session import Session
 
         session = Session.open(graph_path=Path(args.graph) if args.graph else Session.shipped_graph("default.yaml"))
-        server = DraftflowServer(ServeConfig(port=0, max_waiting=max(64, args.concurrency)), Engine(session))
+        waiting = max(64, args.concurrency)  # every client may be waiting at once
+        server = DraftflowServer(ServeConfig(port=0, max_waiting=waiting), Engine(session, max_waiting=waiting))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         args.url = server.url
     if args.model is None:

@@ -174,7 +174,7 @@ def test_bad_requests_get_json_4xx(served):
     bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="API key"):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="'temperature' must be a number >= 0"):
+    with pytest.raises(openai.BadRequestError, match="'temperature' must be a finite number >= 0"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="exceeds the context of 2048 tokens"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4000)
