@@ -386,13 +386,13 @@ def test_taken_port_is_one_line_before_loading(tmp_path):
 
 def test_every_5xx_is_logged_with_its_exception(monkeypatch):
     """A bug in the worker or in a handler answers 500 and logs the exception's type, message and traceback;
-    a DraftflowError for one request is a 400 with its message."""
+    a DraftflowError for one request is a 400 with its message; a client that stalls mid-body is dropped."""
     import io
 
     import structlog
 
     from draftflow.core.errors import RequestError
-    from draftflow.core.server import DraftflowServer, ServeConfig
+    from draftflow.core.server import DraftflowServer, Handler, ServeConfig
     from draftflow.core.serving import Engine
     from draftflow.core.session import Session
     from draftflow.core.tracing import configure_logging
@@ -425,6 +425,11 @@ def test_every_5xx_is_logged_with_its_exception(monkeypatch):
         status, _, body = request(port, "POST", CP, C(), key=None)
         assert status == 500 and "KeyError: 'bug in parse'" in json.loads(body)["error"]["message"]
         assert healthy(port)
+        monkeypatch.setattr(Handler, "timeout", 0.3)  # IDLE_TIMEOUT_S, shortened
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as stalled:
+            stalled.sendall(head(Content_Length=100) + b'{"model": ')  # half a body, then silence
+            start = time.monotonic()
+            assert stalled.recv(100) == b"" and time.monotonic() - start < 5  # the server hung up on it
     finally:
         server.shutdown()
         server.server_close()
