@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftflow.core.errors import DraftflowError, SpecError
+from draftflow.core.errors import DraftflowError, RequestError, SpecError
 from draftflow.core.node import SamplingParams
 from draftflow.core.spec import GraphSpec, apply_overrides, load_graph
 from draftflow.core.yamlio import Located
@@ -187,6 +187,12 @@ class Session:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise DraftflowError("the target has no tokenizer (no tokenizer.json or GGUF vocabulary); pass --prompt-ids 1,2,3")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 (argv's surrogateescape) or a JSON "\udcff"
+            code = ord(text[exc.start])
+            what = f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+            raise RequestError(f"the prompt is not valid text: character {exc.start} is {what}; pass UTF-8 text") from None
         return list(self.tokenizer.encode(text))
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None, request_id: str | None = None) -> Result:
