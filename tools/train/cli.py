@@ -11,6 +11,10 @@ Python sources of this machine, tests excluded). The output loads in the `dflash
 estimate is printed (tau and acceptance of one greedy draft cycle per held-out window,
 through each node's own inference code; for DFlash2 both with the learned selector and,
 as `*_top1`, with the top-1 ablation). `--resume` continues from `--checkpoint`.
+
+Every flag is checked before torch and the target load (`checks.py`). `--out` is a new or empty folder or an
+earlier output of the same recipe (else `--overwrite`), never the target, `--init-from` or `--data`; files are
+written under temporary names and renamed into place (`output.py`).
 """
 
 from __future__ import annotations
@@ -21,27 +25,44 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from draftflow.core.errors import DraftflowError, ModelFormatError
 
 MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 
 
+BLOCKS, DFLASH2, MTP, REGEN = ("dflash", "dflash2"), ("dflash2",), ("mtp",), ("dflash", "dflash2", "mtp")
+# Options of some recipes only (or of --labels regenerate): they parse to None unless given, so an option of
+# another recipe is refused rather than ignored; these are their defaults.
+RECIPE_DEFAULTS = {"regen_windows": 16384, "anchors": 16, "conv_kernel_size": 2, "conv_group_size": 16,
+                   "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0, "selector_warmup": 0.0005,
+                   "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The train parser; `parser.recipe_only` maps each recipe-specific dest to the recipes it applies to."""
     p = argparse.ArgumentParser(prog="draftflow train", description="Train a drafter against a frozen target.")
+    owners: dict[str, tuple[str, ...]] = {}
+
+    def only(group, recipes, *flags, **kw):
+        action = group.add_argument(*flags, **kw, default=None)
+        owners[action.dest] = recipes
+
     p.add_argument("recipe", choices=("dflash", "dflash2", "mtp"))
     p.add_argument("--target", required=True, help="frozen target: Hugging Face directory or .gguf file")
-    p.add_argument("--out", required=True, help="output directory (Hugging Face layout)")
+    p.add_argument("--out", required=True, help="output directory (Hugging Face layout); new, empty, or an earlier "
+                   "output of the same recipe (see --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out that is not an earlier "
+                   "output of this recipe, replacing its config.json and weights (other files are kept); never "
+                   "allowed for the target, --init-from or --data")
     p.add_argument("--data", nargs="*", default=None, help="text files or folders (.py, .txt, .md); default: this "
                    "machine's Python sources, tests excluded")
     p.add_argument("--max-data-mb", type=float, default=16.0, help="read at most this much text")
     p.add_argument("--labels", choices=("data", "target", "regenerate"), default="data",
                    help="data: the text's next tokens; target: the target's greedy predictions (distillation); "
                    "regenerate: windows whose tail the target wrote greedily (the DFlash paper's recipe)")
-    p.add_argument("--prompt-len", help="regenerate: tokens of text that start a window, N or MIN-MAX (drawn per "
-                   "generation batch); the target writes the rest. Default 16 to the most that leaves --anchors blocks")
-    p.add_argument("--regen-windows", type=int, default=16384, help="regenerate: windows in the generated pool")
+    only(p, REGEN, "--prompt-len", help="regenerate: tokens of text that start a window, N or MIN-MAX (drawn per "
+         "generation batch); the target writes the rest. Default 16 to the most that leaves --anchors blocks")
+    only(p, REGEN, "--regen-windows", type=int, help="regenerate: windows in the generated pool (default 16384)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--time-budget-min", type=float, help="end the run (and its LR schedule) after this many minutes")
     p.add_argument("--batch-size", type=int, default=8)
@@ -51,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=16)
@@ -60,32 +81,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--summary", help="also write the run's numbers to this JSON file")
     d = p.add_argument_group("dflash and dflash2")
-    d.add_argument("--layers", type=int, help="draft layers (default 2)")
-    d.add_argument("--block-size", type=int, help="B: anchor + B-1 drafts (default 8)")
-    d.add_argument("--anchors", type=int, default=16, help="random anchors (blocks) per sequence")
-    d.add_argument("--gamma", type=float, help="loss decay exp(-(k-1)/gamma); default 7/5/4 for B 16/10/8")
-    d.add_argument("--tap-layers", help="target layers to read, e.g. 1,2,3 (default: z-lab's rule, or 1..L-1 for L < 8)")
-    d.add_argument("--mask-token-id", type=int, help=f"default: the tokenizer's {' / '.join(MASK_NAMES[:2])} token")
-    d.add_argument("--intermediate", type=int, help="draft MLP width (default: the target's)")
-    d.add_argument("--gguf", help="also write the drafter as a GGUF file (llama.cpp names)")
+    only(d, BLOCKS, "--layers", type=int, help="draft layers (default 2)")
+    only(d, BLOCKS, "--block-size", type=int, help="B: anchor + B-1 drafts (default 8)")
+    only(d, BLOCKS, "--anchors", type=int, help="random anchors (blocks) per sequence (default 16)")
+    only(d, BLOCKS, "--gamma", type=float, help="loss decay exp(-(k-1)/gamma); default 7/5/4 for B 16/10/8")
+    only(d, BLOCKS, "--tap-layers", help="target layers to read, e.g. 1,2,3 (default: z-lab's rule, or 1..L-1 for L < 8)")
+    only(d, BLOCKS, "--mask-token-id", type=int, help=f"default: the tokenizer's {' / '.join(MASK_NAMES[:2])} token")
+    only(d, BLOCKS, "--intermediate", type=int, help="draft MLP width (default: the target's)")
+    only(d, BLOCKS, "--gguf", help="also write the drafter as a GGUF file (llama.cpp names)")
     s = p.add_argument_group("dflash2")
-    s.add_argument("--init-from", help="start the backbone from this trained DFlash (v1) drafter (HF directory or "
-                   ".gguf); its shape replaces --layers, --block-size, --tap-layers, --mask-token-id, --intermediate")
-    s.add_argument("--conv-kernel-size", type=int, default=2, help="K: taps of the dynamic convolutions")
-    s.add_argument("--conv-group-size", type=int, default=16, help="G: channels per dynamic coefficient (divides hidden)")
-    s.add_argument("--selector-rank", type=int, default=256, help="R: codebook width")
-    s.add_argument("--selector-top-k", type=int, default=16, help="M: candidates per draft row")
-    s.add_argument("--selector-alpha", type=float, default=1.0, help="weight of the selector loss")
-    s.add_argument("--selector-warmup", type=float, default=0.0005, help="share of the run with selector weight 0")
-    s.add_argument("--selector-ramp", type=float, default=0.0005, help="share of the run ramping the weight to alpha")
-    s.add_argument("--selector-stop-gradient", action="store_true",
-                   help="the selector loss trains only the selector (not the unary logits and hidden states)")
+    only(s, DFLASH2, "--init-from", help="start the backbone from this trained DFlash (v1) drafter (HF directory or "
+         ".gguf); its shape replaces --layers, --block-size, --tap-layers, --mask-token-id, --intermediate")
+    only(s, DFLASH2, "--conv-kernel-size", type=int, help="K: taps of the dynamic convolutions (default 2)")
+    only(s, DFLASH2, "--conv-group-size", type=int, help="G: channels per dynamic coefficient (divides hidden; "
+         "default 16)")
+    only(s, DFLASH2, "--selector-rank", type=int, help="R: codebook width (default 256)")
+    only(s, DFLASH2, "--selector-top-k", type=int, help="M: candidates per draft row (default 16)")
+    only(s, DFLASH2, "--selector-alpha", type=float, help="weight of the selector loss (default 1.0)")
+    only(s, DFLASH2, "--selector-warmup", type=float, help="share of the run with selector weight 0 (default 0.0005)")
+    only(s, DFLASH2, "--selector-ramp", type=float, help="share of the run ramping the weight to alpha "
+         "(default 0.0005)")
+    only(s, DFLASH2, "--selector-stop-gradient", action="store_true",
+         help="the selector loss trains only the selector (not the unary logits and hidden states)")
     m = p.add_argument_group("mtp")
-    m.add_argument("--num-draft", type=int, default=4, help="chained drafts per cycle for the held-out estimate")
+    only(m, MTP, "--num-draft", type=int, help="chained drafts per cycle for the held-out estimate (default 4)")
+    p.recipe_only = owners
     return p
 
 
+def parse_args(argv: list[str] | None):
+    """Parse and check every flag that needs no model: ranges, recipe options, what the paths hold, the outputs.
+
+    Returns (args, the --data files the run reads (none listed yet without --data), those named directly).
+    """
+    from draftflow.tools.train.checks import check_data, check_models, check_ranges, check_recipe_options
+    from draftflow.tools.train.data import source_files
+    from draftflow.tools.train.output import check_outputs
+
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    check_recipe_options(a, parser.recipe_only)
+    for dest, default in RECIPE_DEFAULTS.items():
+        if getattr(a, dest) is None:
+            setattr(a, dest, default)
+    check_ranges(a)
+    check_models(a)
+    if a.data == []:
+        raise DraftflowError("--data needs at least one file or folder; leave the flag out to read this machine's "
+                             "Python sources")
+    roots = check_data(a.data) if a.data else None
+    files = source_files(roots, suffixes=(".py", ".txt", ".md")) if roots else []  # the default roots: later
+    if roots and not files:
+        raise DraftflowError(f"--data {' '.join(a.data)}: no .py, .txt or .md files there; pass text files or folders "
+                             "holding them")
+    check_outputs(a, files)
+    return a, files, {r.resolve() for r in roots or () if r.is_file()}
+
+
 def _load_target(path: str, device: str):
+    import torch
+
     from draftflow.plugins.target.plugin import is_gguf
 
     if not Path(path).exists():
@@ -132,21 +187,28 @@ def _mask_id(a, tokenizer, vocab: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    a, files, named = parse_args(argv)
     from draftflow.tools.train.data import TokenData, WindowSampler, read_texts, source_files, tokenizer_encoder
     from draftflow.tools.train.loop import TrainOptions, init_weights, train
+    from draftflow.tools.train.output import checkpoint_path, write_file
 
-    a = build_parser().parse_args(argv)
+    texts = read_texts(files or source_files(), int(a.max_data_mb * 1e6), seed=a.seed, named=named)
+    if not texts:
+        where = " ".join(a.data) if a.data else "this machine's Python sources"
+        raise DraftflowError(f"no training text found in {where}; pass --data with .py, .txt or .md files (files "
+                             "under 200 bytes or over 200 kB inside folders are skipped)")
+    import torch
+
+    from draftflow.tools.train.checks import check_device
+
+    a.device = check_device(a.device) if a.device else "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(a.seed)
     out = Path(a.out)
     loaded = _load_target(a.target, a.device)
     target, tcfg = loaded.model, loaded.config
-    roots = [Path(d) for d in a.data] if a.data else None
-    if roots and not all(r.exists() for r in roots):
-        raise DraftflowError(f"--data: {', '.join(str(r) for r in roots if not r.exists())} does not exist")
-    files = source_files(roots, suffixes=(".py", ".txt", ".md") if roots else (".py",))
-    texts = read_texts(files, int(a.max_data_mb * 1e6), seed=a.seed)
-    if not texts:
-        raise DraftflowError("no training text found; pass --data with .py, .txt or .md files")
+    if a.seq_len > tcfg.max_position_embeddings:
+        raise DraftflowError(f"--seq-len {a.seq_len}: longer than the target's context of {tcfg.max_position_embeddings} "
+                             "tokens; use a shorter window")
     eos = loaded.eos_ids[0] if loaded.eos_ids else 0
     data = TokenData.from_texts(texts, tokenizer_encoder(loaded.tokenizer), eos_id=eos, seed=a.seed)
     sampler = WindowSampler(data, a.seq_len, seed=a.seed)
@@ -179,20 +241,30 @@ def main(argv: list[str] | None = None) -> int:
         from draftflow.tools.train.mtp_recipe import MtpRecipe, new_head
 
         recipe = MtpRecipe(target, new_head(target, a.seed), labels, a.num_draft)
+    width = recipe.config.block_size if a.recipe != "mtp" else 2
+    if a.seq_len < width + 1:  # a block (MTP: the two next tokens) after at least one token of context
+        raise DraftflowError(f"--seq-len {a.seq_len} leaves no room for a block of {width} after the first token; use "
+                             f"--seq-len of at least {width + 1}")
     if a.labels == "regenerate":
-        width = recipe.config.block_size if a.recipe != "mtp" else 2
         sampler = _regenerated(a, target, sampler, width, a.anchors if a.recipe != "mtp" else 1)
     bf16 = a.precision == "bf16" or (a.precision == "auto" and torch.device(a.device).type == "cuda")
     opts = TrainOptions(steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                         clip=a.clip, bf16=bf16, eval_every=a.eval_every, eval_windows=a.eval_windows,
-                        save_every=a.save_every, checkpoint=Path(a.checkpoint) if a.checkpoint else out / "checkpoint.pt",
+                        save_every=a.save_every, checkpoint=checkpoint_path(a),
                         resume=a.resume, time_budget_s=a.time_budget_min * 60 if a.time_budget_min else None,
                         device=a.device)
     trainable = sum(p.numel() for p in recipe.module.parameters() if p.requires_grad)
-    print(f"train {a.recipe}: {trainable / 1e6:.2f} M parameters, {data.train.numel()} training tokens from "
-          f"{data.documents} documents, target {a.target}", file=sys.stderr)
+    intro = (f"train {a.recipe}: {trainable / 1e6:.2f} M parameters, {data.train.numel()} training tokens from "
+             f"{data.documents} documents, target {a.target}")
     t0 = time.perf_counter()
-    result = train(recipe, sampler, opts, label=a.recipe)
+    try:
+        result = train(recipe, sampler, opts, label=a.recipe, intro=intro)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and not any(m in str(exc) for m in ("out of memory",
+                                                                                            "can't allocate memory")):
+            raise
+        raise DraftflowError(f"out of memory on {a.device} at --batch-size {a.batch_size} x --seq-len {a.seq_len} "
+                             f"({str(exc).splitlines()[0][:120]}); lower --batch-size or --seq-len") from None
     if a.recipe == "mtp":
         recipe.save(out, json.loads((Path(a.target) / "config.json").read_text()) if Path(a.target).is_dir()
                     else _config_dict(tcfg))
@@ -201,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.gguf:
             from draftflow.tools.convert_dflash import hf_to_gguf
 
-            hf_to_gguf(out, a.gguf)
+            write_file(Path(a.gguf), lambda tmp: hf_to_gguf(out, tmp))
     final = result.evaluations[-1][1]
     print(f"wrote {out}: step {result.steps}, held-out " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     if a.summary:
@@ -215,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.parts:  # e.g. DFlash2: token_loss, selector_loss, recall (means of the first / last 10 steps)
             summary["first_parts"] = {k: _mean(p[k] for _, p in result.parts[:10]) for k in result.parts[0][1]}
             summary["last_parts"] = {k: _mean(p[k] for _, p in result.parts[-10:]) for k in result.parts[0][1]}
-        Path(a.summary).write_text(json.dumps(summary, indent=2) + "\n")
+        write_file(Path(a.summary), lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
     return 0
 
 

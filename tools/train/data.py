@@ -12,7 +12,8 @@ import sysconfig
 from pathlib import Path
 
 import attrs
-import torch
+
+from draftflow.core.errors import DraftflowError
 
 # Folder names whose files are tests or test data, not ordinary library code.
 _TEST_DIRS = {"test", "tests", "testing", "idle_test", "unittests", "__pycache__"}
@@ -51,18 +52,31 @@ def source_files(roots: list[Path] | None = None, suffixes: tuple[str, ...] = ("
     return list(found)
 
 
-def read_texts(files: list[Path], max_bytes: int, seed: int = 0) -> list[str]:
-    """Up to `max_bytes` of UTF-8 text from `files` in a seeded random order; huge and tiny files skipped."""
+def read_texts(files: list[Path], max_bytes: int, seed: int = 0, named=()) -> list[str]:
+    """Up to `max_bytes` of UTF-8 text from `files` in a seeded random order.
+
+    Files found in folders are skipped when huge, tiny or not UTF-8; a file in `named` (given by the user
+    directly) is always read, and one that is not UTF-8 is an error.
+    """
     order = list(files)
     random.Random(seed).shuffle(order)
     texts, total = [], 0
     for p in order:
         try:
-            size = p.stat().st_size
-            if not _MIN_FILE_BYTES <= size <= _MAX_FILE_BYTES:
+            if p not in named and not _MIN_FILE_BYTES <= p.stat().st_size <= _MAX_FILE_BYTES:
                 continue
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+            with p.open(encoding="utf-8") as f:
+                text = f.read(max(1, max_bytes - total)) if p in named else f.read()  # a named file may be huge
+        except UnicodeDecodeError as exc:
+            if p in named:
+                raise DraftflowError(f"--data {p}: not UTF-8 text ({exc.reason} at byte {exc.start}); pass text "
+                                     "files (.py, .txt, .md)") from None
+            continue
+        except OSError as exc:
+            if p in named:
+                raise DraftflowError(f"--data {p}: cannot read ({exc.strerror})") from None
+            continue
+        if not text.strip():
             continue
         texts.append(text)
         total += len(text)
@@ -83,6 +97,8 @@ class TokenData:
     @classmethod
     def from_texts(cls, texts: list[str], encode, eos_id: int, held_out_frac: float = 0.02, seed: int = 0) -> TokenData:
         """`encode(list[str]) -> list[list[int]]`; documents go to held-out with probability `held_out_frac`."""
+        import torch
+
         ids = encode(texts)
         rng = random.Random(seed + 1)
         train, held = [], []
@@ -104,14 +120,18 @@ class WindowSampler:
     """Random training windows and fixed held-out windows over a `TokenData`."""
 
     def __init__(self, data: TokenData, seq_len: int, seed: int = 0) -> None:
+        import torch
+
         if data.train.numel() <= seq_len:
-            raise ValueError(f"the training text has {data.train.numel()} tokens, fewer than one window of {seq_len}; "
-                             "give more data or a smaller --seq-len")
+            raise DraftflowError(f"the training text has {data.train.numel()} tokens, not more than one window of "
+                                 f"--seq-len {seq_len}; give more --data (or a larger --max-data-mb) or a smaller --seq-len")
         self.data, self.seq_len = data, seq_len
         self.generator = torch.Generator().manual_seed(seed)
 
     def batch(self, batch_size: int) -> torch.Tensor:
         # returns: [batch_size, seq_len]
+        import torch
+
         starts = torch.randint(0, self.data.train.numel() - self.seq_len, (batch_size,), generator=self.generator)
         return torch.stack([self.data.train[s:s + self.seq_len] for s in starts.tolist()])
 

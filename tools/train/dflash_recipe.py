@@ -30,6 +30,7 @@ from draftflow.plugins.dflash.model import DFlashModel, draft_logits
 from draftflow.plugins.target.kv_cache import KVCache
 from draftflow.plugins.target.model import TargetModel, _rotate
 from draftflow.tools.train.loop import WindowKV, estimate_acceptance
+from draftflow.tools.train.output import write_files
 
 # Decay constants of the reference recipe, by block size ("paper Eq. 4").
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -235,6 +236,6 @@ class DFlashRecipe:
         """A z-lab layout directory: config.json + model.safetensors (no embedding, no LM head)."""
         import json
 
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(self.artifact_tensors(), str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(self.hf_config(), indent=2) + "\n")
+        tensors, config = self.artifact_tensors(), json.dumps(self.hf_config(), indent=2) + "\n"
+        write_files(out, {"model.safetensors": lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
+                          "config.json": lambda tmp: tmp.write_text(config)})

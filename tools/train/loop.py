@@ -32,8 +32,10 @@ import attrs
 import torch
 from torch import nn
 
+from draftflow.core.errors import DraftflowError
 from draftflow.plugins.target.kv_cache import KVCache, static_shape
 from draftflow.plugins.target.model import TargetModel
+from draftflow.tools.train.output import write_file
 
 
 class WindowKV:
@@ -141,8 +143,11 @@ def _autocast(opts: TrainOptions):
 
 
 def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callable[[str], None] | None = None,
-          stream=None) -> TrainResult:
-    """Run (or resume) the optimisation; write checkpoints; return the loss and evaluation history."""
+          stream=None, intro: str | None = None) -> TrainResult:
+    """Run (or resume) the optimisation; write checkpoints; return the loss and evaluation history.
+
+    `intro` is printed once the run is set up (after a resumed checkpoint is read, which may fail).
+    """
     named = [(n, p) for n, p in recipe.module.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     keep = set(getattr(recipe, "no_weight_decay", ()))
@@ -152,16 +157,24 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
                              {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
     step, elapsed, losses, evaluations, parts = 0, 0.0, [], [], []
     if opts.resume and opts.checkpoint and Path(opts.checkpoint).exists():
-        state = torch.load(opts.checkpoint, map_location=opts.device, weights_only=False)
-        recipe.module.load_state_dict(state["module"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        sampler.generator.set_state(state["sampler_rng"])
-        if state.get("recipe_rng") is not None and hasattr(recipe, "generator"):
-            recipe.generator.set_state(state["recipe_rng"])
-        step, elapsed, losses, evaluations = state["step"], state["elapsed"], state["losses"], state["evaluations"]
+        state = _load_checkpoint(opts.checkpoint, opts.device)
+        try:
+            recipe.module.load_state_dict(state["module"])
+            opt.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+            sampler.generator.set_state(state["sampler_rng"])
+            if state.get("recipe_rng") is not None and hasattr(recipe, "generator"):
+                recipe.generator.set_state(state["recipe_rng"])
+            step, elapsed, losses, evaluations = state["step"], state["elapsed"], state["losses"], state["evaluations"]
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            raise DraftflowError(f"--checkpoint {opts.checkpoint}: saved by another run; it does not fit this {label} "
+                                 f"drafter and settings ({first}); pass that run's --checkpoint, or drop --resume to "
+                                 "start afresh") from None
         parts = state.get("parts", [])
     start_step, start_elapsed = step, elapsed
+    if intro:
+        (stream or sys.stderr).write(intro + "\n")
     progress = Progress(opts.steps, label, stream)
     say = log or progress.note
     if start_step:
@@ -184,11 +197,11 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
     def save() -> None:
         if opts.checkpoint is None:
             return
-        Path(opts.checkpoint).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": step, "elapsed": elapsed, "module": recipe.module.state_dict(), "optimizer": opt.state_dict(),
-                    "rng": torch.get_rng_state(), "sampler_rng": sampler.generator.get_state(),
-                    "recipe_rng": recipe.generator.get_state() if hasattr(recipe, "generator") else None, "losses": losses,
-                    "evaluations": evaluations, "parts": parts}, opts.checkpoint)
+        state = {"step": step, "elapsed": elapsed, "module": recipe.module.state_dict(), "optimizer": opt.state_dict(),
+                 "rng": torch.get_rng_state(), "sampler_rng": sampler.generator.get_state(),
+                 "recipe_rng": recipe.generator.get_state() if hasattr(recipe, "generator") else None, "losses": losses,
+                 "evaluations": evaluations, "parts": parts}
+        write_file(Path(opts.checkpoint), lambda tmp: torch.save(state, tmp))  # a crash mid-save keeps the last one
 
     recipe.module.train()
     smooth = None
@@ -226,6 +239,19 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         evaluate()
     save()
     return TrainResult(start_step, step, elapsed, losses, evaluations, parts)
+
+
+def _load_checkpoint(path, device) -> dict:
+    """A training state written by `train`; a file that is not one is the user's to fix, not a traceback."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - unpickling arbitrary bytes raises any kind of exception
+        raise DraftflowError(f"--checkpoint {path}: not a readable training checkpoint ({type(exc).__name__}); "
+                             "delete it or drop --resume to start afresh") from None
+    if not isinstance(state, dict) or "module" not in state:
+        raise DraftflowError(f"--checkpoint {path}: not a draftflow training checkpoint; drop --resume or pass the "
+                             "run's own checkpoint")
+    return state
 
 
 # --- held-out acceptance -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from draftflow.plugins.mtp.weights import _HEAD_NAMES
 from draftflow.plugins.target.kv_cache import KVCache, static_shape
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.loop import WindowKV, estimate_acceptance, init_weights
+from draftflow.tools.train.output import write_files
 
 LAYOUT = "deepseek-v3"
 
@@ -83,7 +84,6 @@ class MtpRecipe:
 
     def save(self, out: Path, target_config: dict) -> None:
         """`mtp.safetensors` with DeepSeek-V3 names (`model.layers.{N}.*`) and the target's config.json."""
-        out.mkdir(parents=True, exist_ok=True)
         prefix = f"model.layers.{self.target.config.num_layers}."
         names = _HEAD_NAMES[LAYOUT]
         state = {}
@@ -92,6 +92,6 @@ class MtpRecipe:
                 continue
             rel = names.get(name) or name.removeprefix("block.")
             state[prefix + rel] = t.detach().float().contiguous()
-        save_file(state, str(out / "mtp.safetensors"), metadata={"format": "pt"})
-        config = dict(target_config, num_nextn_predict_layers=1)
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        config = json.dumps(dict(target_config, num_nextn_predict_layers=1), indent=2) + "\n"
+        write_files(out, {"mtp.safetensors": lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+                          "config.json": lambda tmp: tmp.write_text(config)})
