@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from helpers import ROOT
 
 from draftflow.plugins.dflash.loader import read_artifact
 from draftflow.tools.make_demo import main as make_demo
 
 
+@pytest.mark.slow
 def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     out, work = tmp_path / "demo", tmp_path / "work"
     shutil.copytree(ROOT / "graphs" / "models" / "demo" / "target", out / "target")

@@ -84,6 +84,7 @@ def fit(target, emitted, accepted):
             chi_square_pvalue(pairs.flatten(), probs2), total_variation(pairs.flatten(), probs2), float(kept.float().mean()))
 
 
+@pytest.mark.slow
 def test_selector_cycle_emits_the_target_distribution(cycle):
     """x1 ~ p(. | prompt) and x2 | x1 ~ p(. | x1) (chi-square p > 1e-3, small TV); drafts both accepted and rejected."""
     target, cand = cycle
@@ -94,6 +95,7 @@ def test_selector_cycle_emits_the_target_distribution(cycle):
     assert pv2 > 1e-3 and tv2 < 0.03, (pv2, tv2)
 
 
+@pytest.mark.slow
 def test_wrong_q_is_detected(cycle):
     """Negative control: handing the verifier the unary q instead of the walk's q fails the same checks."""
     target, cand = cycle

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 import torch
 from stat_utils import chi_square_pvalue
 from safetensors.torch import save_file
@@ -46,6 +47,7 @@ def exact_joint(path) -> torch.Tensor:
     return joint
 
 
+@pytest.mark.slow
 def test_sampled_pairs_match_target_only_distribution(tmp_path):
     """With an oracle drafter (one-hot q, drafts often wrong) the first two emitted tokens follow p exactly."""
     path = tiny_target(tmp_path / "t")

@@ -68,6 +68,7 @@ def _single_position_fit(form: str, seed: int) -> tuple[float, float, float]:
     return chi_square_pvalue(counts, target), total_variation(counts, target), float(accepted.float().mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_single_position_emits_target_distribution(form):
     """The first emitted token is distributed as p for full, one-hot and candidate q."""
@@ -77,6 +78,7 @@ def test_single_position_emits_target_distribution(form):
     assert 0.05 < accept_rate < 0.95  # both the accept and the recovery path were exercised
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken_step", sorted(BROKEN_STEPS))
 @pytest.mark.parametrize("form", FORMS)
 def test_single_position_check_catches_broken_sampler(form, broken_step, monkeypatch):
@@ -140,6 +142,7 @@ def _markov_fit(form: str, seed: int, num_tokens: int = 3) -> tuple[float, float
     return chi_square_pvalue(counts, exact.flatten()), total_variation(counts, exact.flatten())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_markov_chain_joint_of_three_emitted_tokens_matches_target(form):
     """Across cycles with K = 3, the joint of the first 3 emitted tokens equals the target chain's."""
@@ -148,6 +151,7 @@ def test_markov_chain_joint_of_three_emitted_tokens_matches_target(form):
     assert distance < 0.02
 
 
+@pytest.mark.slow
 def test_markov_check_catches_broken_accept_rule(monkeypatch):
     """Negative control: the swapped accept rule fails the multi-position joint check."""
     monkeypatch.setattr(accept_module, "_accept_flags", _broken_accept_flags)
