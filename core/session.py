@@ -24,8 +24,11 @@ if TYPE_CHECKING:
     from draftflow.core.registry import Registry
 
 # A CPU target smaller than this runs fastest on one thread: its matmuls are too small to
-# split, and a second thread only adds wake-ups, which under CPU contention cost 40x
-# (the demo: 900 tok/s on 1 thread, 4-25 on 2 with another busy process; docs/...).
+# split, and every extra thread adds wake-ups that, when the cores are shared, cost more than
+# the whole step (2-core machine, demo target of 4 MiB: 1 thread 500-1060 tok/s, 2 threads
+# 5-35; the idle run: 912 on 1 thread, 800-900 on 2). Bigger targets get the
+# physical cores; on a shared machine pass --threads 1 (100M params, 2 busy cores: 1 thread
+# 14-31 tok/s, 2 threads 6-10).
 SMALL_TARGET_BYTES = 64 << 20
 
 
