@@ -35,8 +35,9 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, bound: f
     """Assert equal shapes and max |actual - expected| <= bound * max |expected|."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = scaled_error(actual, expected)
+    scale = expected.abs().max().item()
     assert err <= bound, (f"{what}: max error {err:.2e} of the values' scale ({err / EPS32:.0f} float32 eps) exceeds "
-                          f"{bound:.2e} ({bound / EPS32:.0f} eps); scale max|expected| = {expected.abs().max().item():.3g}")
+                          f"{bound:.2e} ({bound / EPS32:.0f} eps); scale max|expected| = {scale:.3g}")
 
 
 def tiny_model_bound(layers: int) -> float:

@@ -50,8 +50,9 @@ class StateChecker:
         tail = state.kernel_tail
         # Up to 40 verify windows in series against one chunked prefill: 1e-4 of the states' scale (~840 eps; the
         # windows measured <= 143 eps on scalar, AVX2 and AVX-512 kernels), where a wrong selection is >= 1e-2 off.
-        assert_close_to_scale(state.conv[..., :tail], fresh.conv[..., :tail], 1e-4, f"cycle {event['cycle']}: conv state")
-        assert_close_to_scale(state.rec[:, 0], fresh.rec[:, 0], 1e-4, f"cycle {event['cycle']}: recurrent state")
+        cycle = f"cycle {event['cycle']}"
+        assert_close_to_scale(state.conv[..., :tail], fresh.conv[..., :tail], 1e-4, f"{cycle}: conv state")
+        assert_close_to_scale(state.rec[:, 0], fresh.rec[:, 0], 1e-4, f"{cycle}: recurrent state")
         with torch.inference_mode():  # a probe window: computed but never committed, so it leaves no trace
             cached, _ = target.model(torch.tensor([[self.tokens[-1]]]), state.length, target.cache, logit_rows=1,
                                      linear=state)
