@@ -56,7 +56,10 @@ def _check(ok, expected: str):
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    # An int past float range (10**400) is not a usable number; math.isfinite would raise OverflowError on it.
+    return abs(value) < 1e308 if isinstance(value, int) else math.isfinite(value)
 
 
 @attrs.define
