@@ -181,12 +181,11 @@ def check_device(text: str) -> str:
     except (RuntimeError, ValueError):
         raise DraftflowError(f"--device {text}: not a device; use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DraftflowError(f"--device {text}: CUDA is not available to this torch ({torch.__version__}); use "
-                                 "--device cpu, or install a CUDA build of torch on a machine with a GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise DraftflowError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                                 "use cuda:0 .. cuda:N-1")
+        from draftflow.core.plan import device_problem  # one rule for graphs and training
+
+        problem = device_problem(text)
+        if problem is not None:
+            raise DraftflowError(f"--device {text}: {problem[0]}; {problem[1]}")
     elif device.type != "cpu":
         raise DraftflowError(f"--device {text}: training runs on cpu or cuda; use one of those")
     return text
