@@ -1,13 +1,13 @@
 """Serving: a fair request queue and one worker thread that owns the executor.
 
 The executor runs one request at a time and knows nothing about HTTP. The worker takes
-requests from a ``FairQueue`` (round-robin over client keys) and calls
-``Executor.generate``. Streaming, stop strings and cancellation ride on the trace hook the
-executor already calls after every cycle: the worker registers itself as a trace sink,
-turns each ``draft_cycle`` event of the running request into text deltas for the waiting
-HTTP handler, and raises ``EndRequest`` from the hook to stop a request early (client gone,
-or a stop string appeared). ``generate`` re-prefills every node on its next call, so an
-interrupted request leaves the executor usable.
+requests from a ``FairQueue`` (round-robin over client keys) and drives the executor's
+step API itself: ``start``, then ``step`` one cycle at a time; between cycles it turns the
+committed tokens into text deltas for the waiting HTTP handler, looks for stop strings and
+checks whether the request was cancelled (client gone, server closing), and ends the
+request with ``finish`` (which sends the ``request_done`` event and produces the summary).
+A request the worker abandons (an error mid-cycle) is replaced by the next ``start``,
+which re-prefills every node, so the executor stays usable.
 """
 
 from __future__ import annotations
@@ -22,24 +22,15 @@ import attrs
 import structlog
 
 from draftflow.core.errors import DraftflowError
-from draftflow.core.hookspecs import hookimpl
 from draftflow.core.node import SamplingParams
 from draftflow.core.serve_metrics import Metrics
-from draftflow.core.tracing import RequestStats, emit_request
+from draftflow.core.tracing import RequestStats
 
 log = structlog.get_logger("draftflow")
 
 
 class QueueFull(Exception):
     """Raised by ``FairQueue.put`` when ``max_waiting`` requests are already waiting (HTTP 503)."""
-
-
-class EndRequest(Exception):
-    """Raised from the cycle hook to end the running request early; ``reason`` is "stop" or "cancelled"."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 class StopScanner:
@@ -100,9 +91,8 @@ class ServeRequest:
     enqueued_at: float = attrs.field(factory=time.perf_counter)
     started_at: float | None = None
     first_token_at: float | None = None
-    stats: RequestStats = attrs.field(factory=RequestStats)
+    stats: RequestStats = attrs.field(factory=RequestStats)  # the executor's, once started (metrics read it)
     scanner: StopScanner | None = None
-    stop_hit: bool = False  # a stop string ended the text
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -174,10 +164,8 @@ class Engine:
         self.metrics = Metrics()
         self.running: ServeRequest | None = None
         self._closing = threading.Event()
-        target = self.executor.nodes[self.executor.target]
-        tokenizer = getattr(target, "tokenizer", None)
+        tokenizer = self.executor.handle.tokenizer
         self.decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
-        session.registry.pm.register(self, name="draftflow-serve")
         self._thread = threading.Thread(target=self._work, name="draftflow-worker", daemon=True)
         if start:
             self._thread.start()
@@ -208,7 +196,6 @@ class Engine:
             req.events.put(("error", 503, "the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout=30)
-        self.session.registry.pm.unregister(self)
 
     # --- worker -------------------------------------------------------------------------
     def _work(self) -> None:
@@ -231,10 +218,7 @@ class Engine:
         req.started_at = time.perf_counter()
         self.running = req
         try:
-            result = self.executor.generate(req.prompt_ids, req.sampling, req.id)
-            finish, stats = result.finish_reason, dict(result.stats)
-        except EndRequest as end:
-            finish, stats = end.reason, self._cut_summary(req)
+            result = self._generate(req)
         except DraftflowError as exc:  # RequestError: prompt past the context, ids outside the vocabulary
             self.metrics.finish(req, "error", 0)
             req.events.put(("error", 400, str(exc)))
@@ -244,40 +228,35 @@ class Engine:
             self.metrics.finish(req, "error", 0)
             req.events.put(("error", 500, f"internal error while generating: {type(exc).__name__}: {exc}"))
             return
-        tail = "" if req.stop_hit else req.scanner.flush()
+        done = time.perf_counter()
+        info = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(result.token_ids),
+                "stats": {**result.stats, "queue_s": round(req.started_at - req.enqueued_at, 6),
+                          "latency_s": round(done - req.enqueued_at, 6)}}
+        self.metrics.finish(req, result.finish_reason, len(result.token_ids), done)
+        req.events.put(("done", result.finish_reason, info))
+
+    def _generate(self, req: ServeRequest):
+        """One request through start/step/finish, streaming deltas; a stop string or a cancel ends it between cycles."""
+        ex = self.executor
+        state = ex.start(req.prompt_ids, req.sampling, req.id)
+        req.stats = state.stats
+        reason = None  # None: the executor's own finish (EOS, stop token, max_new_tokens)
+        while True:
+            (cycle,) = ex.step([state])
+            if req.first_token_at is None:
+                req.first_token_at = time.perf_counter()
+            delta, hit = req.scanner.feed(cycle.emitted)
+            if delta:
+                req.events.put(("delta", delta))
+            if hit:  # the text ends before the stop string; every committed token still counts
+                reason = "stop"
+                break
+            if req.cancelled.is_set():
+                reason = "cancelled"
+                break
+            if cycle.finish is not None:
+                break
+        tail = "" if reason == "stop" else req.scanner.flush()
         if tail:
             req.events.put(("delta", tail))
-        done = time.perf_counter()
-        info = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.scanner.ids),
-                "stats": {**stats, "queue_s": round(req.started_at - req.enqueued_at, 6),
-                          "latency_s": round(done - req.enqueued_at, 6)}}
-        self.metrics.finish(req, finish, len(req.scanner.ids), done)
-        req.events.put(("done", finish, info))
-
-    def _cut_summary(self, req: ServeRequest) -> dict:
-        """Stats of a request the hook ended early; also its request_done trace event (not sent by the executor)."""
-        elapsed = time.perf_counter() - req.started_at
-        tokens = len(req.scanner.ids)
-        summary = {**req.stats.summary(), "tokens_per_s": round(tokens / elapsed, 3) if elapsed > 0 else 0.0,
-                   "ttft_s": round((req.first_token_at or req.started_at) - req.started_at, 6)}
-        reason = "stop" if req.stop_hit else "cancelled"
-        if self.executor.hook is not None:
-            emit_request(self.executor.hook, {"request_id": req.id, "tokens": tokens, **summary, "finish_reason": reason})
-        return summary
-
-    @hookimpl(trylast=True)  # last, so every other trace sink still sees the cycle we may end
-    def draftflow_cycle_event(self, event):
-        req = self.running
-        if req is None or event["request_id"] != req.id:
-            return
-        if req.first_token_at is None:
-            req.first_token_at = time.perf_counter()
-        req.stats.add(len(event["draft"]), event["accepted"], len(event["emitted"]))
-        delta, hit = req.scanner.feed(event["emitted"])
-        if delta:
-            req.events.put(("delta", delta))
-        if hit:
-            req.stop_hit = True
-            raise EndRequest("stop")
-        if req.cancelled.is_set():
-            raise EndRequest("cancelled")
+        return ex.finish(state, reason, kept=len(req.scanner.ids))

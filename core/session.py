@@ -141,7 +141,9 @@ class Session:
     @classmethod
     def open(cls, graph_path: Path | None = None, graph_dict: dict | None = None, overrides=(), trace: str | None = None,
              registry: Registry | None = None, threads: int | None = None) -> "Session":
-        """Check the graph (every problem at once), then allocate and build the nodes.
+        """Check the graph (every problem at once), then allocate and build the nodes, then warm them up.
+
+        The executor records both times (``load_s``, ``warmup_s``); every request's stats repeat them.
 
         ``threads``: torch intra-op threads; None picks them (``default_threads``) unless
         OMP_NUM_THREADS is set, which is then left in charge.
@@ -166,6 +168,7 @@ class Session:
             import torch
 
             torch.set_num_threads(threads)
+        executor.warmup()  # before any request (and with the threads it will run on): graphs, kernels
         sink = None
         if trace_path is not None:  # opened (truncated) only once everything loaded
             sink = JsonlSink(trace_path)
@@ -185,7 +188,7 @@ class Session:
 
     @property
     def tokenizer(self):
-        return getattr(self.executor.nodes[self.executor.target], "tokenizer", None)
+        return self.executor.handle.tokenizer
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -20,7 +20,8 @@ _REQUIRED = {
     "draft_cycle": {"request_id": _ID, "draft": _TOKENS, "accepted": _INT, "emitted": _TOKENS},
     "request_done": {"tokens_per_s": _NUMBER, "ttft_s": _NUMBER},
 }
-_OPTIONAL = {"draft_cycle": {"draft_ms": _NUMBER, "verify_ms": _NUMBER, "commit_ms": _NUMBER}, "request_done": {}}
+_OPTIONAL = {"draft_cycle": {"draft_ms": _NUMBER, "verify_ms": _NUMBER, "commit_ms": _NUMBER},
+             "request_done": {"prefill_ms": _NUMBER, "load_s": _NUMBER}}
 
 
 def _is(value, kind: str) -> bool:
@@ -124,6 +125,11 @@ def summarize(cycles: list[dict], requests: list[dict]) -> dict:
     if requests:
         out["mean_tokens_per_s"] = round(sum(r["tokens_per_s"] for r in requests) / len(requests), 3)
         out["mean_ttft_s"] = round(sum(r["ttft_s"] for r in requests) / len(requests), 6)
+        prefill = [r["prefill_ms"] for r in requests if "prefill_ms" in r]
+        if prefill:
+            out["mean_prefill_ms"] = round(sum(prefill) / len(prefill), 4)
+        if "load_s" in requests[0]:  # once per process; every request repeats it
+            out["load_s"], out["warmup_s"] = requests[0]["load_s"], requests[0].get("warmup_s")
     return out
 
 
@@ -144,7 +150,12 @@ def render(summary: dict) -> str:
     elif totals:
         lines.append("node fields (summed) " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     if "mean_tokens_per_s" in summary:
-        lines.append(f"mean tokens/s {summary['mean_tokens_per_s']:.2f}, mean time to first token {summary['mean_ttft_s'] * 1000:.2f} ms")
+        prefill = f" (prefill {summary['mean_prefill_ms']:.2f} ms)" if "mean_prefill_ms" in summary else ""
+        lines.append(f"mean tokens/s {summary['mean_tokens_per_s']:.2f}, mean time to first token "
+                     f"{summary['mean_ttft_s'] * 1000:.2f} ms{prefill}")
+    if summary.get("load_s") is not None:
+        warm = summary.get("warmup_s")
+        lines.append(f"load {summary['load_s']:.2f} s, warm-up " + (f"{warm:.2f} s" if isinstance(warm, (int, float)) else "none"))
     return "\n".join(lines)
 
 

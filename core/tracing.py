@@ -25,7 +25,7 @@ log = structlog.get_logger("draftflow")
 CYCLE_FIELDS = ("request_id", "cycle", "position", "anchor", "draft", "accepted", "emitted",
                 "draft_ms", "verify_ms", "commit_ms")
 REQUEST_FIELDS = ("request_id", "tokens", "cycles", "drafted", "accepted", "tau", "acceptance_rate",
-                  "per_position_acceptance", "tokens_per_s", "ttft_s", "finish_reason")
+                  "per_position_acceptance", "tokens_per_s", "ttft_s", "prefill_ms", "load_s", "warmup_s", "finish_reason")
 
 
 def configure_logging(verbose: bool = False, json_lines: bool | None = None) -> None:

@@ -50,7 +50,9 @@ def test_generate_json_contract(toy_env, tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "stats"}
-    assert set(out["stats"]) == {"cycles", "drafted", "accepted", "tau", "acceptance_rate", "per_position_acceptance", "tokens_per_s", "ttft_s"}
+    assert set(out["stats"]) == {"cycles", "drafted", "accepted", "tau", "acceptance_rate", "per_position_acceptance", "tokens_per_s", "ttft_s",
+                                 "prefill_ms", "load_s", "warmup_s"}
+    assert out["stats"]["load_s"] > 0 and out["stats"]["warmup_s"] >= 0 and out["stats"]["prefill_ms"] > 0
     assert out["text"] is None and out["prompt_token_ids"] == [1, 2, 3] and out["finish_reason"] == "length"
     assert out["token_ids"] == toy_plugins.reference([1, 2, 3], 16, 32)
     assert len(out["stats"]["per_position_acceptance"]) == 4

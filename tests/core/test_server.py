@@ -240,6 +240,56 @@ def test_full_queue_answers_503_and_missing_template_400():
     assert not first.is_alive()
 
 
+def test_worker_steps_and_cancels_between_cycles():
+    """The worker is no trace sink: a cancel seen after cycle 1 ends the request there; a failing sink is a 500, then the next request is exact."""
+    from draftflow.core.hookspecs import hookimpl
+    from draftflow.core.node import SamplingParams
+    from draftflow.core.serving import Engine, ServeRequest
+    from draftflow.core.session import Session
+
+    class Sink:  # cancels its target request from cycle 1 on (only setting a flag); raises on request "boom"
+        target, done = None, []
+
+        @hookimpl
+        def draftflow_cycle_event(self, event):
+            if event["request_id"] == "boom":
+                raise RuntimeError("sink failed")
+            if self.target is not None and event["request_id"] == self.target.id and event["cycle"] == 1:
+                self.target.cancelled.set()
+
+        @hookimpl
+        def draftflow_request_event(self, event):
+            self.done.append(event)
+
+    def run(engine, req):
+        engine.submit(req)
+        events = [req.events.get(timeout=60)]
+        while events[-1][0] == "delta":
+            events.append(req.events.get(timeout=60))
+        return "".join(e[1] for e in events[:-1]), events[-1]
+
+    session = Session.open(graph_path=GRAPH)
+    sink = Sink()
+    session.registry.pm.register(sink)
+    engine = Engine(session)
+    try:
+        assert not any(isinstance(p, Engine) for p in session.registry.pm.get_plugins())
+        prompt = session.encode("def fib(n):")
+        sink.target = ServeRequest("cmpl-a", prompt, SamplingParams(max_new_tokens=300, ignore_eos=True))
+        text, (kind, finish, info) = run(engine, sink.target)
+        assert (kind, finish, info["stats"]["cycles"]) == ("done", "cancelled", 2)
+        assert sink.done[-1]["finish_reason"] == "cancelled" and sink.done[-1]["tokens"] == info["completion_tokens"]
+        expected = session.executor.generate(prompt, SamplingParams(max_new_tokens=info["completion_tokens"], ignore_eos=True))
+        assert text == expected.text
+        _, (kind, status, message) = run(engine, ServeRequest("boom", prompt, SamplingParams(max_new_tokens=8)))
+        assert (kind, status) == ("error", 500) and "sink failed" in message
+        text, (kind, finish, info) = run(engine, ServeRequest("cmpl-b", prompt, SamplingParams(max_new_tokens=8)))
+        assert (text, finish) == (session.executor.generate(prompt, SamplingParams(max_new_tokens=8)).text, "length")
+    finally:
+        engine.close()
+        session.close()
+
+
 def test_fair_queue_round_robin():
     """Requests are taken round-robin across client keys, FIFO within one; the limit raises QueueFull."""
     from draftflow.core.node import SamplingParams

@@ -1,0 +1,97 @@
+"""A request as the executor runs it: the step API's types and the cycle timer.
+
+``ActiveRequest`` is what ``Executor.start`` returns and ``step`` advances (the nodes'
+``RequestState`` plus what the executor carries between cycles), ``CycleResult`` what one
+cycle did for one request, ``Result`` what ``finish`` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from draftflow.core.node import RequestState
+from draftflow.core.tracing import RequestStats
+
+
+@attrs.frozen
+class Result:
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+    finish_reason: str
+    stats: dict
+    text: str | None = None
+
+
+@attrs.define(eq=False)
+class ActiveRequest(RequestState):
+    """A request the executor is running: what the nodes see (``RequestState``) plus what it carries between steps."""
+
+    stops: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and the request's stop token ids
+    started: float = 0.0  # perf_counter at start
+    carried: dict[tuple[str, str], Any] = attrs.field(factory=dict)  # (node, port) -> value for the next cycle
+    generated: list[int] = attrs.field(factory=list)  # committed output tokens
+    stats: RequestStats = attrs.field(factory=RequestStats)
+    prefill_marks: tuple[Any, Any] = (0.0, 0.0)  # timer marks around the prefill, read after a sync
+    ttft_s: float | None = None  # start to the end of the first cycle
+    finish_reason: str | None = None  # "stop" or "length" once a cycle ended it (or finish's reason)
+    done: bool = False  # finish() was called
+
+
+@attrs.frozen
+class CycleResult:
+    """What one cycle did for one request; ``event()`` is its ``draft_cycle`` trace event (docs/TRACING.md)."""
+
+    request_id: str
+    cycle: int  # 0-based within the request
+    position: int  # sequence index of the anchor at the start of the cycle
+    anchor: int
+    draft: tuple[int, ...]  # proposed token ids
+    accepted: int  # draft tokens the verifier accepted
+    emitted: tuple[int, ...]  # tokens committed, cut after a stop token or at max_new_tokens
+    draft_ms: float
+    verify_ms: float
+    commit_ms: float
+    fields: dict = attrs.field(factory=dict)  # node fields (Node.cycle_fields)
+    finish: str | None = None  # "stop" or "length" when this cycle ended the request
+
+    def event(self) -> dict:
+        core = {"request_id": self.request_id, "cycle": self.cycle, "position": self.position, "anchor": self.anchor,
+                "draft": list(self.draft), "accepted": self.accepted, "emitted": list(self.emitted),
+                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms, "commit_ms": self.commit_ms}
+        return {**core, **{k: v for k, v in self.fields.items() if k not in core}}  # core fields win a name clash
+
+
+class CycleTimer:
+    """Per-node timings: CUDA events on the GPU (read after the cycle's one sync), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, Any, Any]] = []
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, role: str, begin) -> None:
+        self.marks.append((role, begin, self.start()))
+
+    def elapsed_ms(self, begin, end) -> float:
+        if self.cuda:
+            end.synchronize()  # already complete after a cycle's sync; waits only if none ran yet
+            return begin.elapsed_time(end)
+        return (end - begin) * 1000
+
+    def totals_ms(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for role, a, b in self.marks:
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1000
+            out[role] = out.get(role, 0.0) + ms
+        self.marks.clear()
+        return out
