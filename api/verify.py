@@ -8,11 +8,11 @@
 The definitions of accepted / recovered / bonus tokens, the three forms of the draft
 distribution q and the no-host-sync guarantee are in the docstring of
 `draftflow.plugins.verifier.accept`; filtering order and sampling are in
-`draftflow.plugins.verifier.sampling`. Background and the peers these rules follow:
+`draftflow.layers.sampling`. Background and the peers these rules follow:
 section 3 of the verification reference (`shared/reference/verification_and_mtp.md`).
 """
 
 from draftflow.plugins.verifier.accept import greedy_accept, rejection_sample
-from draftflow.plugins.verifier.sampling import filter_logits, sample
+from draftflow.layers.sampling import filter_logits, sample
 
 __all__ = ["filter_logits", "greedy_accept", "rejection_sample", "sample"]

@@ -122,9 +122,9 @@ def main() -> None:
     from draftflow.plugins.dflash.config import DFlashConfig, kv_shape
     from draftflow.plugins.dflash.graphs import DraftRunner
     from draftflow.plugins.dflash.model import DFlashModel, draft_logits
-    from draftflow.plugins.target.config import TargetConfig
+    from draftflow.layers.config import TargetConfig
     from draftflow.plugins.target.graphs import GraphRunner
-    from draftflow.plugins.target.kv_cache import KVCache, static_shape
+    from draftflow.layers.kv_cache import KVCache, static_shape
 
     tcfg_d, dcfg_d = dict(gt.QWEN3_8B), dict(DRAFTER_8B)
     if a.tiny:

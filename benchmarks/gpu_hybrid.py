@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from draftflow.plugins.target.config import TargetConfig
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.linear_state import LinearState
+from draftflow.layers.config import TargetConfig
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.linear_state import LinearState
 from draftflow.plugins.target.model import TargetModel
 
 BASE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,

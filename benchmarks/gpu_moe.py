@@ -81,7 +81,7 @@ def predict(manifests: dict, budget: int | None, context: int):
 def build(cfg, device: str, seed: int):
     """TargetModel with N(0, 0.02) weights on `device` and routed experts in (pinned) host memory."""
     from draftflow.plugins.target.model import TargetModel
-    from draftflow.plugins.target.moe import HostExperts
+    from draftflow.layers.moe import HostExperts
 
     model = TargetModel(cfg, dtype=DTYPE, device=device).eval()
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -107,7 +107,7 @@ def sync(device: str) -> None:
 def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, seed: int) -> dict:
     """Prefill `prompt` random tokens, then greedy-decode `tokens` (target-only when drafter is None)."""
     from draftflow.plugins.dflash.model import draft_logits
-    from draftflow.plugins.target.kv_cache import KVCache, static_shape
+    from draftflow.layers.kv_cache import KVCache, static_shape
 
     cfg = model.config
     kv = KVCache.from_static(torch.zeros(static_shape(cfg, 1, prompt + tokens + 32), dtype=DTYPE, device=device))
@@ -197,7 +197,7 @@ def main() -> None:
     a = p.parse_args()
     from draftflow.plugins.dflash.config import DFlashConfig, kv_shape
     from draftflow.plugins.dflash.model import DFlashModel
-    from draftflow.plugins.target.config import TargetConfig
+    from draftflow.layers.config import TargetConfig
 
     tcfg_d, dcfg_d = (TINY, TINY_DRAFTER) if a.tiny else (QWEN3_30B_A3B, DRAFTER)
     cfg, dcfg = TargetConfig.from_hf_dict(tcfg_d, "qwen3-30b-a3b-shape"), DFlashConfig.from_hf_dict(dcfg_d, "dflash-shape")
@@ -215,7 +215,7 @@ def main() -> None:
         for name, prm in sorted(drafter.named_parameters()):
             prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
     dkv_buf = torch.zeros(kv_shape(dcfg, a.prompt + a.tokens + 64), dtype=DTYPE, device=dev)
-    from draftflow.plugins.target.kv_cache import KVCache
+    from draftflow.layers.kv_cache import KVCache
 
     dkv = KVCache.from_static(dkv_buf)
     print(f"MoE expert cache, {res['device']}, torch {res['torch']}: {total} experts of {per / 2**20:.2f} MiB, "

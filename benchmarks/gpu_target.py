@@ -123,7 +123,7 @@ def time_runner(runner, start: int, w: int, reps: int = 50) -> float:
 
 def long_context(model, cfg, runner_cls) -> dict:
     """Graph replay time against context length, SDPA (memory-efficient kernel) vs the split-KV Triton attention."""
-    from draftflow.plugins.target.kv_cache import KVCache, static_shape
+    from draftflow.layers.kv_cache import KVCache, static_shape
 
     kv = KVCache.from_static(torch.randn(static_shape(cfg, 1, 4096), dtype=torch.bfloat16, device=DEV))
     kv.commit(4000)
@@ -186,7 +186,7 @@ def run_session(session, prompt, new: int, repeats: int) -> dict:
 
 def teacher_forced(model, cfg, runner_cls, seq: list[int], prompt_len: int, steps: int) -> dict:
     """Feed the same tokens one at a time to the eager forward and to captured graphs; compare logits."""
-    from draftflow.plugins.target.kv_cache import KVCache, static_shape
+    from draftflow.layers.kv_cache import KVCache, static_shape
 
     caches = [KVCache.from_static(torch.zeros(static_shape(cfg, 1, 512), dtype=torch.bfloat16, device=DEV))
               for _ in range(2)]
@@ -288,9 +288,9 @@ def hf_generate(hf, prompt, new: int, repeats: int, **kw) -> dict:
 
 def run(a) -> None:
     from draftflow.core.tracing import configure_logging
-    from draftflow.plugins.target.config import TargetConfig, weight_bytes
+    from draftflow.layers.config import TargetConfig, weight_bytes
     from draftflow.plugins.target.graphs import GraphRunner, fuse_projections
-    from draftflow.plugins.target.kv_cache import KVCache, static_shape
+    from draftflow.layers.kv_cache import KVCache, static_shape
 
     global DEV
     DEV = "cpu" if a.tiny else "cuda"

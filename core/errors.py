@@ -47,6 +47,10 @@ class ModelFormatError(DraftflowError):
     """Raised when a checkpoint or its config is missing, corrupt, or disagrees with itself."""
 
 
+class CacheCapacityError(DraftflowError):
+    """Raised when a KV-cache (or recurrent-state) write or reservation would pass its capacity."""
+
+
 class RequestError(DraftflowError):
     """Raised when a generation request is invalid: prompt past the context, ids outside the vocabulary, bad sampling values."""
 

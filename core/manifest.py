@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import attrs
 import torch
@@ -66,6 +67,10 @@ class BufferSpec:
 
     ``shape`` entries are ints or the symbol ``"kv_tokens"`` (resolved by the planner).
     ``preallocate=False`` marks a buffer the node grows itself (counted at its maximum).
+    ``of_weights=True`` marks a view of the node's own weights (the target's embedding and LM
+    head): declared so that readers and writers are checked, never allocated by the executor,
+    its bytes already counted in ``Vram.weights``. The node puts the tensor into
+    ``ctx.buffers`` under this name when it has loaded.
     """
 
     name: str = attrs.field(validator=_identifier)
@@ -74,6 +79,7 @@ class BufferSpec:
     lifetime: str = attrs.field(default="persistent", validator=attrs.validators.in_(LIFETIMES))
     preallocate: bool = True
     doc: str = ""
+    of_weights: bool = False
 
     @shape.validator
     def _check_shape(self, attribute, value):
@@ -156,6 +162,8 @@ class Manifest:
     incompatible: tuple[Incompatibility, ...] = attrs.field(default=(), converter=tuple)
     # Upper bound of tokens the node can hold (target: context limit); None = unbounded.
     max_tokens: int | None = None
+    # Role target: what checks may know of it before loading (draftflow.core.target.TargetInfo).
+    target: Any = None
 
     def __attrs_post_init__(self):
         for group in ("inputs", "outputs", "owns"):
@@ -174,4 +182,4 @@ class Manifest:
         return sum(b.bytes_per_kv_token() for b in self.owns)
 
     def fixed_buffer_bytes(self) -> int:
-        return sum(b.nbytes(None) for b in self.owns if KV_TOKENS not in b.shape)
+        return sum(b.nbytes(None) for b in self.owns if KV_TOKENS not in b.shape and not b.of_weights)

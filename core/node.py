@@ -33,8 +33,10 @@ class NodeContext:
     kv_tokens: int | None
     buffers: dict[str, torch.Tensor]  # buffers this node owns, allocated from its manifest
     shared: dict[str, torch.Tensor]  # buffers it declared under ``reads`` (owned by others)
-    graph_nodes: dict[str, Any] = attrs.field(factory=dict)  # name -> Node built so far (for binding, e.g. embeddings)
     resident_experts: int | None = None  # planned expert-cache size, for a node that declared Vram.experts
+    # The loaded target (draftflow.core.target.TargetHandle), for a node whose manifest requires
+    # "target.handle"; None otherwise. Targets are built first, so it is set at construction.
+    target: Any = None
 
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
@@ -134,6 +136,15 @@ class Node:
     def commit(self, req: RequestState, info: CommitInfo) -> dict[str, Any]:
         """Roll state forward/back to ``req.tokens``; return new values for carried output ports."""
         return {}
+
+    def warmup(self) -> None:
+        """Pay once, at load, what the first request would otherwise pay: compile kernels, capture the
+        CUDA graphs a request will need. Called by ``Executor.warmup`` after every node is built,
+        outside any request and before timing starts; must leave no request state behind."""
+
+    def target_handle(self):
+        """Role target only: the ``draftflow.core.target.TargetHandle`` for the loaded model."""
+        return None
 
     def tensors(self) -> Iterable[torch.Tensor]:
         """Tensors this node holds besides its owned buffers (for the memory check)."""

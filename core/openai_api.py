@@ -145,8 +145,7 @@ class Api:
         self.default_max_tokens = default_max_tokens
         self.spec_stats_default = spec_stats_default
         executor = engine.executor
-        target = executor.nodes[executor.target]
-        self.vocab_size = getattr(target, "vocab_size", None)
+        self.vocab_size = executor.handle.vocab_size or None
         self.chat_template = ChatTemplate.from_model_dir(executor.plan.nodes[executor.target].params.get("path"))
 
     def models(self) -> dict:

@@ -40,6 +40,9 @@ class NodeType:
     description: str = ""
     # What it can provide, for `draftflow plugins` (the manifest is the authority).
     capabilities: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    # Role target: params -> TargetInfo from the config alone, so checks can name the target even
+    # when its manifest failed (draftflow.core.target.target_info).
+    target_info: Callable[..., Any] | None = None
     # Filled in by the registry: where this node type came from.
     plugin: str = ""
     version: str = ""

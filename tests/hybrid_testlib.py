@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.linear_state import LinearState
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.linear_state import LinearState
 
 VOCAB = 320
 # linear, full, linear, linear: taps and rollback cross both kinds; GVA (2 key heads, 4 value heads).

@@ -6,7 +6,7 @@ import tomllib
 
 from helpers import ROOT
 
-MAPPED = {"api": "draftflow", "core": "draftflow.core", "plugins": "draftflow.plugins", "tools": "draftflow.tools",
+MAPPED = {"api": "draftflow", "core": "draftflow.core", "plugins": "draftflow.plugins", "layers": "draftflow.layers", "tools": "draftflow.tools",
           "graphs": "draftflow.graphs"}
 
 

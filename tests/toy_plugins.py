@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import BufferSpec, Incompatibility, Manifest, Port, Vram
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Features, Proposal, TargetOutput
-from draftflow.core.registry import NodeType
+from draftflow.plugin import (
+    BufferSpec,
+    Features,
+    Incompatibility,
+    Manifest,
+    Node,
+    NodeType,
+    ParamSpec,
+    Port,
+    Proposal,
+    TargetHandle,
+    TargetInfo,
+    TargetOutput,
+    Vram,
+    hookimpl,
+)
+from draftflow.core.target import TargetHandle, TargetInfo
 
 
 def next_token(prev: int, vocab: int) -> int:
@@ -57,6 +68,10 @@ class ToyTarget(Node):
 
     def tensors(self):
         return (self.extra,)
+
+    def target_handle(self):
+        return TargetHandle(TargetInfo(hidden_size=1, vocab_size=self.vocab_size, num_layers=1), eos_ids=self.eos_ids,
+                            dtype=self.ctx.dtype, device=self.ctx.device)
 
     def prefill(self, req):
         n = len(req.tokens) - 1

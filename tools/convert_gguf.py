@@ -22,12 +22,13 @@ from typing import Any
 import gguf
 import torch
 
-from draftflow.plugins.target.config import TargetConfig
-from draftflow.plugins.target.errors import ModelFormatError
-from draftflow.plugins.target.gguf_loader import PRE_TOKENIZER_REGEX, hf_to_gguf_name, llama_permute
+from draftflow.layers.config import TargetConfig
+from draftflow.core.errors import ModelFormatError
+from draftflow.layers.gguf_names import hf_to_gguf_name
+from draftflow.plugins.target.gguf_loader import PRE_TOKENIZER_REGEX, llama_permute
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.model import llama3_freq_factors
-from draftflow.plugins.target.moe_gguf import GGUF_ARCHS, merged_name, write_moe_metadata
+from draftflow.layers.rope import llama3_freq_factors
+from draftflow.layers.gguf_names import GGUF_ARCHS, merged_name, write_moe_metadata
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 _FILE_TYPE = {

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from draftflow.plugins.target.config import TargetConfig
+from draftflow.layers.config import TargetConfig
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.tiny_model import EOS, hf_config, train_tokenizer
 from draftflow.tools.train.data import TokenData, WindowSampler, read_texts, source_files, tokenizer_encoder

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftflow.plugins.target.config import TargetConfig, expected_tensors
+from draftflow.layers.config import TargetConfig, expected_tensors
 
 EOS = "<|endoftext|>"
 

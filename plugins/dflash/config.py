@@ -16,8 +16,8 @@ import attrs
 import torch
 
 from draftflow.core.errors import ModelFormatError
-from draftflow.plugins.target.config import RopeScaling, _Getter
-from draftflow.plugins.target.config import _rope_scaling as target_rope_scaling
+from draftflow.layers.config import RopeScaling, _Getter
+from draftflow.layers.config import _rope_scaling as target_rope_scaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # HF module suffix inside `layers.N.` -> shape as a function of the config (see expected_tensors).

@@ -17,17 +17,15 @@ rounding (tests/plugins/dflash/test_dflash_graph_runner.py).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.model import DFlashModel, draft_logits
-from draftflow.plugins.target.graphs import _BACKENDS, WARMUP_RUNS, _attend, bucket_for
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.model import _rotate
+from draftflow.layers.attention import attend_prefix, bucket_for
+from draftflow.layers.graphs import GraphCache
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.rope import rope_tables, rotate
 
 
 def _visible(cfg: DFlashConfig, layer: int, block_pos: torch.Tensor, bucket: int) -> torch.Tensor:
@@ -66,8 +64,7 @@ class DraftRunner:
         self.num_new = torch.zeros(1, dtype=torch.long, device=device)  # C
         self.hidden = torch.zeros(1, width - 1, cfg.hidden_size, dtype=dtype, device=device)  # [1, W-1, H]
         self.logits = torch.zeros(1, width - 1, head.shape[0], dtype=torch.float32, device=device)  # [1, W-1, V]
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs = GraphCache(self._run, capture, device)
 
     def __call__(self, rows: torch.Tensor, start: int, anchor: int, width: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,11 +83,7 @@ class DraftRunner:
         self.start.fill_(start)
         self.num_new.fill_(c)
         bucket = bucket_for(end, self.cache.capacity, self.min_bucket)
-        if not self.capture:
-            self._run(w, bucket)
-        else:
-            graph = self.graphs.get((w, bucket))
-            (graph if graph is not None else self._capture(w, bucket)).replay()
+        self.graphs(w, bucket)
         self.cache.commit(start + c)  # the context now ends where the block began
         return self.hidden[:, :w - 1], self.logits[:, :w - 1]
 
@@ -99,7 +92,7 @@ class DraftRunner:
         arange = torch.arange(w, device=self.block.device)
         ctx_pos = self.start + arange  # [W]; rows >= C are overwritten by the block below
         ctx = m.hidden_norm(m.fc(self.features[:, :w]))  # [1, W, H]
-        cos, sin = _rope(m, ctx_pos, ctx.dtype)
+        cos, sin = rope_tables(m.inv_freq, ctx_pos, ctx.dtype)
         for i, layer in enumerate(m.layers):
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
             kv[i, 0].index_copy_(1, ctx_pos, k)
@@ -109,13 +102,13 @@ class DraftRunner:
         x = F.embedding(self.block[:, :w], self.embed)  # [1, W, H]
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
-        cos, sin = _rope(m, pos, x.dtype)
+        cos, sin = rope_tables(m.inv_freq, pos, x.dtype)
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             h, attn_state = layer.input_layernorm(x), None
             if layer.attention_conv is not None:
                 h, attn_state = layer.attention_conv.prepare(h)
-            q = _rotate(attn.q_norm(attn.q_proj(h).view(1, w, attn.num_heads, attn.head_dim)), cos, sin)
+            q = rotate(attn.q_norm(attn.q_proj(h).view(1, w, attn.num_heads, attn.head_dim)), cos, sin)
             k, v = attn.keys_values(h, cos, sin)
             kv[i, 0].index_copy_(1, pos, k)
             kv[i, 1].index_copy_(1, pos, v)
@@ -124,35 +117,12 @@ class DraftRunner:
             mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
             folded = q.view(1, w, attn.num_kv_heads, groups, attn.head_dim).permute(0, 2, 3, 1, 4)
             folded = folded.reshape(1, attn.num_kv_heads, groups * w, attn.head_dim)  # [1, KVH, G*W, D]
-            out = _attend(folded, kv[i, 0, :, :bucket], kv[i, 1, :, :bucket], mask.repeat(groups, 1), w)
+            out = attend_prefix(folded, kv[i, 0, :, :bucket], kv[i, 1, :, :bucket], mask.repeat(groups, 1), w)
             x = layer.finish(x, attn.o_proj(out), attn_state)
         hidden = m.norm(x)[:, 1:]  # [1, W-1, H]
         return hidden, draft_logits(hidden, self.head, cfg)
 
     def _run(self, w: int, bucket: int) -> None:
-        with sdpa_kernel(_BACKENDS) if self.block.is_cuda else nullcontext():
-            hidden, logits = self._step(w, bucket)
+        hidden, logits = self._step(w, bucket)
         self.hidden[:, :w - 1].copy_(hidden)
         self.logits[:, :w - 1].copy_(logits)
-
-    def _capture(self, w: int, bucket: int) -> torch.cuda.CUDAGraph:
-        # The same capture as the target's runner (plugins/target/graphs.py), kept as run on the H200.
-        # Warm-up runs write the same cells the replay will, so they change nothing.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._run(w, bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._run(w, bucket)
-        self.graphs[(w, bucket)] = graph
-        return graph
-
-
-def _rope(model: DFlashModel, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # pos: [T] on the device; returns cos, sin: [T, 1, D], as DFlashModel._rope computes them
-    freqs = pos.float()[:, None] * model.inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -24,8 +24,8 @@ from safetensors import safe_open
 from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.dflash.config import DFlashConfig, expected_tensors
 from draftflow.plugins.dflash.model import DFlashModel
-from draftflow.plugins.target.gguf_loader import LAYER_NAMES
-from draftflow.plugins.target.hf_loader import file_problem, read_json_object
+from draftflow.layers.gguf_names import LAYER_NAMES
+from draftflow.core.files import file_problem, read_json_object
 
 GGUF_ARCH = "dflash"
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -19,8 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.plugins.dflash.config import DFlashConfig
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.model import MLP, RMSNorm, _rotate, rope_inv_freq
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.decoder import MLP
+from draftflow.layers.norm import RMSNorm
+from draftflow.layers.rope import rope_inv_freq
+from draftflow.layers.rope import rotate as _rotate
 
 # `enable_gqa` lets SDPA broadcast KV heads without materialising repeated K/V (torch >= 2.5).
 _NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)

@@ -6,28 +6,39 @@ embedding, runs the block and reads K drafts through the target's LM head. The c
 then cropped back to the anchor's position, so it always describes `req.tokens[:-1]`,
 the same state contract as the target's KV cache.
 
-The target's embedding and LM head are bound lazily (on the first prefill): the
-drafter runs before the target in the schedule, so the target node is built later.
+The target's embedding and LM head are declared reads (`target_embed`, `target_head`) of
+buffers the target owns; the executor builds the target first and hands them over.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftflow.core.errors import ModelFormatError
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import KV_TOKENS, BufferSpec, Incompatibility, Manifest, Port, Vram
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Features, Proposal
-from draftflow.core.problems import Problem
-from draftflow.core.registry import NodeType
+from draftflow.plugin import (
+    EMBED_BUFFER,
+    HEAD_BUFFER,
+    KV_TOKENS,
+    TARGET_HANDLE,
+    BufferSpec,
+    Features,
+    Incompatibility,
+    Manifest,
+    ModelFormatError,
+    Node,
+    NodeType,
+    ParamSpec,
+    Port,
+    Problem,
+    Proposal,
+    Vram,
+    hookimpl,
+    wrong_target_check,
+)
 from draftflow.plugins.dflash.config import kv_shape, weight_bytes
 from draftflow.plugins.dflash.loader import load_drafter, read_config
 from draftflow.plugins.dflash.model import draft_logits
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.plugin import wrong_target_check
-from draftflow.verify import filter_logits, sample
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.sampling import filter_logits, sample
 
 PARAMS = (
     ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),
@@ -56,7 +67,8 @@ def manifest(params, env) -> Manifest:
         owns=(BufferSpec("dflash_kv", kv_shape(cfg, KV_TOKENS), env.dtype,
                          doc="context K/V per draft layer, addressed by position"),),
         vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
-        requires={"target.features"},
+        reads=(EMBED_BUFFER, HEAD_BUFFER),
+        requires={"target.features", TARGET_HANDLE},
         incompatible=(Incompatibility("kv.grow", KV_GROW_REASON),),
     )
 
@@ -68,24 +80,22 @@ class DFlash(Node):
         super().__init__(ctx)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
         self.cache = KVCache.from_static(ctx.buffers["dflash_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
-        self.embed: torch.Tensor | None = None  # [V, H], the target's
-        self.head: torch.Tensor | None = None  # [V, H], the target's
-        self.runner = None  # DraftRunner, built on first use once the target's weights are bound
+        self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
+        self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
+        self.runner = None  # DraftRunner, built on first use
+        self._bind()
 
     def tensors(self):
         yield from self.model.parameters()
         yield from self.model.buffers()
 
     def _bind(self) -> None:
-        if self.embed is not None:
-            return
-        target = next((n for n in self.ctx.graph_nodes.values()
-                       if n.ctx.manifest.role == "target" and hasattr(n, "model")), None)
-        if target is None:
-            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): no target node with a model to bind the embedding "
-                                   "and LM head from; add a `target` node to the graph")
-        model, cfg = target.model, self.config
-        self.embed, self.head = model.embed_tokens.weight, model.head_weight()
+        """Check the target's embedding and LM head (declared reads, handed over by the executor) against the drafter."""
+        if self.ctx.target is None or EMBED_BUFFER not in self.ctx.shared:
+            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): no target handle with an embedding and LM head; "
+                                   "add a `target` node to the graph")
+        cfg = self.config
+        self.embed, self.head = self.ctx.shared[EMBED_BUFFER], self.ctx.shared[HEAD_BUFFER]
         if self.embed.shape[1] != cfg.hidden_size:
             raise ModelFormatError(f"node '{self.name}' ({self.KIND}): target hidden size {self.embed.shape[1]} differs from "
                                    f"the drafter's {cfg.hidden_size}; use the drafter trained for this target")
@@ -95,7 +105,6 @@ class DFlash(Node):
 
     @torch.inference_mode()
     def prefill(self, req):
-        self._bind()
         self.cache.commit(0)
         return {}
 
@@ -114,7 +123,6 @@ class DFlash(Node):
     def draft_block(self, req, inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Ingest new features, run one block; the draft rows' hidden states and logits (None when K = 0)."""
         # returns hidden: [1, K, H] (final-normed), logits: [1, K, V] float32
-        self._bind()
         cfg, device = self.config, self.ctx.device
         k = min(cfg.block_size - 1, req.num_draft)
         features = inputs.get("features")

@@ -24,7 +24,7 @@ from draftflow.plugins.dflash import loader as dflash_loader
 from draftflow.plugins.dflash.loader import Artifact, check_tensors, gguf_config, is_gguf
 from draftflow.plugins.dflash2.config import CODEBOOKS, EXTRA_KEYS, DFlash2Config, expected_tensors
 from draftflow.plugins.dflash2.model import DFlash2Model
-from draftflow.plugins.target.hf_loader import file_problem
+from draftflow.core.files import file_problem
 
 # Private helpers of the dflash loader, shared rather than copied (same artifact family).
 _read_json, _open_gguf, _gguf_value, _gguf_tensor = (dflash_loader._read_json, dflash_loader._open_gguf,

@@ -35,8 +35,8 @@ from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 from draftflow.plugins.dflash2.config import weight_bytes
 from draftflow.plugins.dflash2.loader import load_drafter, read_config
 from draftflow.plugins.dflash2.model import CandidateSelector, walk
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.plugin import wrong_target_check
+from draftflow.layers.kv_cache import KVCache
+from draftflow.plugin import EMBED_BUFFER, HEAD_BUFFER, TARGET_HANDLE, wrong_target_check
 from draftflow.verify import sample
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
@@ -65,7 +65,8 @@ def manifest(params, env) -> Manifest:
         owns=(BufferSpec("dflash2_kv", kv_shape(base, KV_TOKENS), env.dtype,
                          doc="context K/V per draft layer, addressed by position"),),
         vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
-        requires={"target.features"},
+        reads=(EMBED_BUFFER, HEAD_BUFFER),
+        requires={"target.features", TARGET_HANDLE},
         incompatible=(Incompatibility("kv.grow", KV_GROW_REASON.replace("DFlash", "DFlash2")),),
     )
 
@@ -80,14 +81,12 @@ class DFlash2(DFlash):
         self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.cache = KVCache.from_static(ctx.buffers["dflash2_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
-        self.embed: torch.Tensor | None = None  # [V, H], the target's
-        self.head: torch.Tensor | None = None  # [V, H], the target's
-        self.runner = None  # DraftRunner, built on first use once the target's weights are bound
+        self.runner = None  # DraftRunner, built on first use
+        self._bind()
 
     def _bind(self) -> None:
-        first = self.embed is None
         super()._bind()
-        if first and self.embed.shape[0] < self.config2.vocab_size:
+        if self.embed.shape[0] < self.config2.vocab_size:
             raise ModelFormatError(f"node '{self.name}' (dflash2): the selector's codebooks have "
                                    f"{self.config2.vocab_size} rows but the target's vocabulary has "
                                    f"{self.embed.shape[0]}; use the drafter trained for this target")

@@ -20,11 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.plugins.mtp.weights import block_config, read_state
-from draftflow.plugins.target.config import TargetConfig
-from draftflow.plugins.target.expert_cache import ExpertCache
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.model import DecoderLayer, RMSNorm, rope_inv_freq
-from draftflow.plugins.target.moe import HostExperts, SparseMoeBlock
+from draftflow.layers.config import TargetConfig
+from draftflow.layers.expert_cache import ExpertCache
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.decoder import DecoderLayer
+from draftflow.layers.norm import RMSNorm
+from draftflow.layers.rope import rope_inv_freq
+from draftflow.layers.moe import HostExperts, SparseMoeBlock
 
 
 class UnitOffsetRMSNorm(RMSNorm):

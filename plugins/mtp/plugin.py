@@ -15,18 +15,28 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.core.errors import DraftflowError
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import KV_TOKENS, BufferSpec, Manifest, Port, Vram
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Proposal
-from draftflow.core.problems import Problem
-from draftflow.core.registry import NodeType
+from draftflow.plugin import (
+    EMBED_BUFFER,
+    HEAD_BUFFER,
+    KV_TOKENS,
+    TARGET_HANDLE,
+    BufferSpec,
+    DraftflowError,
+    Manifest,
+    Node,
+    NodeType,
+    ParamSpec,
+    Port,
+    Problem,
+    Proposal,
+    Vram,
+    hookimpl,
+    target_info,
+    wrong_target_check,
+)
 from draftflow.plugins.mtp.model import load_head
 from draftflow.plugins.mtp.weights import LAYOUTS, find_mtp
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.plugin import wrong_target_check
+from draftflow.layers.kv_cache import KVCache
 
 PARAMS = (
     ParamSpec("path", "path", help="the target's checkpoint directory when it carries MTP weights, "
@@ -53,15 +63,9 @@ def manifest(params, env) -> Manifest:
         owns=(BufferSpec("mtp_kv", (1, 2, 1, KV_TOKENS, cfg.num_kv_heads, cfg.head_dim), env.dtype,
                          doc="K and V of the MTP block, addressed by pair position i"),),
         vram=Vram(weights=ckpt.nbytes(dtype), scratch=scratch),
-        requires={"target.features"},
+        reads=(EMBED_BUFFER, HEAD_BUFFER),
+        requires={"target.features", TARGET_HANDLE},
     )
-
-
-def _target_of(graph_nodes: dict):
-    for node in graph_nodes.values():
-        if hasattr(node, "model") and node.ctx.manifest.role == "target":
-            return node
-    raise DraftflowError("the mtp node found no target node with a model to share the embedding with")
 
 
 class Mtp(Node):
@@ -72,7 +76,8 @@ class Mtp(Node):
         self.head = load_head(self.ckpt, ctx.device, ctx.dtype).eval()
         self.cache = KVCache.from_static(ctx.buffers["mtp_kv"])
         self.chunk = p["prefill_chunk"]
-        self.tap = None  # slice of the target's features holding the last layer, bound at prefill
+        self.tap = None  # slice of the target's features holding the last layer
+        self._bind()
 
     def tensors(self):
         yield from self.head.parameters()
@@ -80,22 +85,21 @@ class Mtp(Node):
             yield from self.head.expert_cache.tensors()
 
     def _bind(self) -> None:
-        # The target is built after its drafters (execution order), so bind on first use.
-        target = _target_of(self.ctx.graph_nodes)
-        last = target.config.num_layers - 1
-        taps = tuple(target.taps or ())
+        target = self.ctx.target
+        if target is None or EMBED_BUFFER not in self.ctx.shared:
+            raise DraftflowError(f"node '{self.name}' (mtp): no target handle to share the embedding with; "
+                                 "add a `target` node to the graph")
+        last = target.info.num_layers - 1
+        taps = target.tap_layers
         if last not in taps:
-            raise DraftflowError(f"target '{target.name}' does not tap its last layer {last}; "
-                                 f"set nodes.{target.name}.tap_layers=[..., {last}]")
-        h = target.config.hidden_size
+            raise DraftflowError(f"the target does not tap its last layer {last}; set its tap_layers=[..., {last}]")
+        h = target.hidden_size
         i = taps.index(last)
         self.tap = slice(i * h, (i + 1) * h)
-        self.head.bind(target.model.embed_tokens.weight, target.model.head_weight())
+        self.head.bind(self.ctx.shared[EMBED_BUFFER], self.ctx.shared[HEAD_BUFFER])
 
     @torch.inference_mode()
     def prefill(self, req):
-        if self.tap is None:
-            self._bind()
         self.cache.crop(0)
         return {}
 
@@ -135,25 +139,20 @@ check_target = wrong_target_check("mtp", _trained_for)
 def check_last_layer_tapped(plan):
     """An mtp node needs the target's last-layer (final, post-norm) hidden among its taps."""
     mtps = [n for n, r in plan.nodes.items() if r.node_type.name == "mtp"]
-    targets = [n for n, r in plan.nodes.items() if r.manifest.role == "target"]
-    if not mtps or len(targets) != 1 or "path" not in plan.nodes[targets[0]].params:
-        return
-    target = plan.nodes[targets[0]]
-    from draftflow.plugins.target.plugin import read_any_config
-
-    try:
-        cfg = read_any_config(target.params["path"])
-    except DraftflowError:
-        return  # the target's own manifest problem already says what is wrong
-    last = cfg.num_layers - 1
-    taps = list(target.params.get("tap_layers") or ())
-    where = plan.spec.node(targets[0]).where
+    found = target_info(plan)
+    if not mtps or found is None:
+        return  # no target that can describe itself: its own problem says why
+    target, info = found
+    last = info.num_layers - 1
+    taps = list(info.tap_layers)
+    spec = plan.spec.node(target)
+    plugin = (plan.nodes.get(target) or plan.unresolved[target]).node_type.name
     for name in mtps:
         if last not in taps:
             fixed = ", ".join(map(str, sorted(set(taps) | {last})))
-            yield Problem(targets[0], "mtp-hidden",
+            yield Problem(target, "mtp-hidden",
                           f"mtp node '{name}' needs the target's final hidden state, but tap_layers {taps} lacks the last layer {last}",
-                          f"set nodes.{targets[0]}.tap_layers=[{fixed}]", target.node_type.name, where)
+                          f"set nodes.{target}.tap_layers=[{fixed}]", plugin, spec.where if spec else "")
 
 
 @hookimpl

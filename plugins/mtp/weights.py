@@ -25,8 +25,9 @@ import torch
 from safetensors import safe_open
 
 from draftflow.core.errors import ModelFormatError
-from draftflow.plugins.target.config import TargetConfig, expected_tensors
-from draftflow.plugins.target.hf_loader import file_problem, read_config
+from draftflow.layers.config import TargetConfig, expected_tensors
+from draftflow.core.files import file_problem
+from draftflow.layers.config import read_config
 
 LAYOUTS = ("deepseek-v3", "qwen3-next")
 # Our module name -> checkpoint suffix, per layout (the block is added from the config).

@@ -16,33 +16,16 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from draftflow.plugins.target.config import RopeScaling, TargetConfig, expected_tensors
-from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.layers.config import RopeScaling, TargetConfig, expected_tensors
+from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
-from draftflow.plugins.target.moe import HostExperts, is_expert_tensor
-from draftflow.plugins.target.moe_gguf import GGUF_ARCHS, MOE_LAYER_NAMES, expert_gguf_name, gguf_moe_fields, merged_views
+from draftflow.layers.moe import HostExperts, is_expert_tensor
+from draftflow.layers.gguf_names import GGUF_ARCHS, LAYER_NAMES, TOP_NAMES, gguf_moe_fields, hf_to_gguf_name, merged_views
 
 SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
 _Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # 32 int8 weights + one fp16 scale
-
-# HF module suffix inside `model.layers.N.` -> llama.cpp suffix inside `blk.N.`.
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    **MOE_LAYER_NAMES,
-}
-TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 # Pre-tokenizer regexes for llama.cpp `tokenizer.ggml.pre` names we can rebuild exactly.
 PRE_TOKENIZER_REGEX = {
@@ -50,18 +33,6 @@ PRE_TOKENIZER_REGEX = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-
-def hf_to_gguf_name(hf_name: str) -> str:
-    """`model.layers.3.self_attn.q_proj.bias` -> `blk.3.attn_q.bias` (and the top-level names)."""
-    stem, _, kind = hf_name.rpartition(".")
-    if stem in TOP_NAMES:
-        return f"{TOP_NAMES[stem]}.{kind}"
-    expert = expert_gguf_name(hf_name)
-    if expert is not None:
-        return expert
-    _, _, layer, module = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
 
 
 def llama_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

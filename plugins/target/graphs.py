@@ -21,28 +21,16 @@ profile are in docs/BENCHMARKS.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.model import TargetModel, _rotate
+from draftflow.layers.attention import MIN_BUCKET, attend_prefix, bucket_for
+from draftflow.layers.graphs import GraphCache
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.rope import rotate
+from draftflow.plugins.target.model import TargetModel
 
-MIN_BUCKET = 256  # smallest attention prefix; shorter buckets save nothing measurable at batch 1
-# Flash takes no mask; pin the masked kernel so the captured graph does not depend on torch's heuristics.
-_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-WARMUP_RUNS = 2  # eager runs on a side stream before capture (compilation, cuBLAS/attention workspaces)
-
-
-def bucket_for(end: int, capacity: int, smallest: int = MIN_BUCKET) -> int:
-    """Cache prefix attended by a window ending at `end`: the smallest power of two >= end (and >= `smallest`), capped at `capacity`."""
-    size = max(smallest, 1)
-    while size < end:
-        size *= 2
-    return min(size, capacity)
 
 
 # --- weight layout -------------------------------------------------------------------------
@@ -103,7 +91,7 @@ def _qk_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_
     # q: [B, W, QH, D]; k: [B, W, KVH, D]; cos, sin: [W, 1, D]
     if q_weight is not None:
         q, k = _rms(q, q_weight, eps), _rms(k, k_weight, eps)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -147,7 +135,7 @@ class StaticStep:
         self.prep = self.attention = None
         d = self.cfg.head_dim
         if (triton or triton_attention) and d & (d - 1) == 0:  # Triton blocks are powers of two
-            from draftflow.plugins.target import kernels
+            from draftflow.layers import triton_kernels as kernels
 
             self.prep = kernels.qk_rope_write if triton else None
             self.attention = kernels.decode_attention if triton_attention else None
@@ -179,7 +167,7 @@ class StaticStep:
             if self.attention is not None:
                 out = self.attention(q, self.kv[i, 0], self.kv[i, 1], start, w, bucket)  # [B, W, QH*D]
             else:
-                out = _attend(q, self.kv[i, 0, :, :bucket], self.kv[i, 1, :, :bucket], mask, w)
+                out = attend_prefix(q, self.kv[i, 0, :, :bucket], self.kv[i, 1, :, :bucket], mask, w)
             x, h = ops.add_rms(x, attn.o_proj(out), layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
             gate_up = joined([mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -220,24 +208,6 @@ class StaticStep:
         return q.view(b, w, kvh, qh // kvh, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, qh // kvh * w, d)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, w: int) -> torch.Tensor:
-    """Masked attention over a cache prefix, each KV head's query group folded into the query rows.
-
-    Folding (rather than `enable_gqa`) keeps the call eligible for the memory-efficient
-    kernel, the one that takes a mask. At batch 1 each KV head becomes a batch entry, so a
-    one-token window's output is already in o_proj's [heads * D] order (no copy).
-    """
-    # q: [B, KVH, G*W, D]; keys, values: [B, S, KVH, D] (cache views); mask: [G*W, S] -> [B, W, QH*D]
-    b, kvh, rows, d = q.shape
-    g = rows // w
-    if b == 1:
-        out = F.scaled_dot_product_attention(q.view(kvh, 1, rows, d), keys.permute(2, 0, 1, 3),
-                                             values.permute(2, 0, 1, 3), attn_mask=mask)  # [KVH, 1, G*W, D]
-        return out.view(kvh, g, w, d).permute(2, 0, 1, 3).reshape(1, w, kvh * g * d)
-    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
-    return out.view(b, kvh, g, w, d).permute(0, 3, 1, 2, 4).reshape(b, w, kvh * g * d)
-
-
 # --- the runner --------------------------------------------------------------------------------
 class GraphRunner:
     """Target windows through static buffers: one CUDA graph per (W, bucket), captured on first use.
@@ -266,8 +236,7 @@ class GraphRunner:
         self.logits = torch.zeros(batch, max_window, model.config.vocab_size, dtype=torch.float32, device=device)
         width = len(self.taps) * model.config.hidden_size
         self.features = torch.zeros(batch, max_window, width, dtype=kv.dtype, device=device) if self.taps else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs = GraphCache(self._run, capture, device)
 
     def __call__(self, anchor: int, drafts: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the window [anchor, *drafts] at `start`; return (logits [B, W, V] float32, taps [B, W, n*H] or None)."""
@@ -286,30 +255,11 @@ class GraphRunner:
             self.tokens[:, 1:w].copy_(drafts)
         self.start.fill_(start)
         bucket = bucket_for(start + w, self.cache.capacity, self.min_bucket)
-        if not self.capture:
-            self._run(w, bucket)
-        else:
-            graph = self.graphs.get((w, bucket))
-            (graph if graph is not None else self._capture(w, bucket)).replay()
+        self.graphs(w, bucket)
         return self.logits[:, :w], (self.features[:, :w] if self.taps else None)
 
     def _run(self, w: int, bucket: int) -> None:
-        with sdpa_kernel(_BACKENDS) if self.tokens.is_cuda else nullcontext():
-            logits, features = self.step(self.tokens[:, :w], self.start, bucket, self.taps)
+        logits, features = self.step(self.tokens[:, :w], self.start, bucket, self.taps)
         self.logits[:, :w].copy_(logits)
         if features is not None:
             self.features[:, :w].copy_(features)
-
-    def _capture(self, w: int, bucket: int) -> torch.cuda.CUDAGraph:
-        # Warm-up runs write the same K/V cells the replay will, so they change nothing.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._run(w, bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._run(w, bucket)
-        self.graphs[(w, bucket)] = graph
-        return graph

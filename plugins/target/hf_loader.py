@@ -21,10 +21,11 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from draftflow.plugins.target.config import TargetConfig, _Getter, expected_tensors
-from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.core.files import file_problem, read_json_object
+from draftflow.layers.config import TargetConfig, _Getter, expected_tensors, read_config  # noqa: F401 (read_config: re-exported for the target plugin)
+from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.target.model import TargetModel
-from draftflow.plugins.target.moe import HostExperts, is_expert_tensor, split_fused_experts
+from draftflow.layers.moe import HostExperts, is_expert_tensor, split_fused_experts
 
 _PROGRESS_MIN_BYTES = 256 << 20
 _MAX_LISTED = 5
@@ -39,12 +40,6 @@ class LoadedTarget:
     tokenizer: Tokenizer | None
     eos_ids: tuple[int, ...]
     source: str
-
-
-def read_config(path: str | os.PathLike[str]) -> TargetConfig:
-    """Parse `path/config.json` only (no weights), e.g. to size allocations first."""
-    file = Path(path) / "config.json"
-    return TargetConfig.from_hf_dict(_read_json(file, required=True), str(file))
 
 
 def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LoadedTarget:
@@ -194,39 +189,6 @@ def _read_json(file: Path, required: bool) -> dict[str, Any]:
             raise ModelFormatError(f"{file}: file is missing; expected a JSON file; point at an HF model directory")
         return {}
     return read_json_object(file)
-
-
-def read_json_object(file: Path, what: str = "a JSON object") -> dict[str, Any]:
-    """Parse `file`, which must hold a JSON object; every failure is a ModelFormatError naming the file."""
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:  # a directory, a broken symlink, no permission
-        raise ModelFormatError(f"{file}: cannot be read: {file_problem(file) or exc.strerror or exc}; expected {what}; "
-                               "check the path and its permissions") from exc
-    except UnicodeDecodeError as exc:
-        raise ModelFormatError(f"{file}: not UTF-8 text ({exc.reason}); expected {what}; fix or re-download it") from exc
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ModelFormatError(f"{file}: invalid JSON ({exc}); expected {what}; fix or re-download it") from exc
-    if not isinstance(data, dict):
-        raise ModelFormatError(f"{file}: holds a JSON {type(data).__name__}; expected {what}; fix or re-download it")
-    return data
-
-
-def file_problem(file: Path) -> str | None:
-    """Why `file` cannot be read as a regular file ('a directory', 'a broken symbolic link', ...), or None."""
-    try:
-        st = file.stat()
-    except FileNotFoundError:
-        return f"a broken symbolic link (to {os.readlink(file)})" if file.is_symlink() else "missing"
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory"
-    if not os.access(file, os.R_OK):
-        return "permission denied"
-    return None
 
 
 def _read_tokenizer(file: Path) -> Tokenizer | None:

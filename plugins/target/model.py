@@ -10,168 +10,17 @@ in place of attention on some layers; those layers read and write a `LinearState
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.plugins.target.config import TargetConfig
-from draftflow.plugins.target.gdn import GatedDeltaNet
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.linear_state import LinearState
-from draftflow.plugins.target.moe import SparseMoeBlock
-
-# `enable_gqa` lets SDPA broadcast KV heads without materialising repeated K/V (torch >= 2.5).
-_NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def rope_inv_freq(cfg: TargetConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, float32 on CPU, computed exactly as transformers does."""
-    # returns: [rotary_dim // 2]
-    dim = cfg.rotary_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv
-    if rs.rope_type == "freq_factors":  # llama.cpp form: theta_i / factor_i
-        return inv / torch.tensor(rs.freq_factors, dtype=torch.float32)
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def llama3_freq_factors(cfg: TargetConfig) -> torch.Tensor:
-    """Per-frequency divisors equivalent to llama3 scaling, as llama.cpp's `rope_freqs.weight`."""
-    # returns: [head_dim // 2]
-    plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    return plain / rope_inv_freq(cfg)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm in float32, cast back before the weight multiply (the HF order).
-
-    `offset` (Qwen3-Next): scale by (1 + w) in float32 and cast after, as transformers does.
-    """
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str | None,
-                 offset: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
-        self.eps = eps
-        self.offset = offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, heads, D]; cos, sin: [T, 1, R] (half-split layout, as HF `rotate_half`); R < D: partial rotary
-    if cos.shape[-1] < x.shape[-1]:
-        r = cos.shape[-1]
-        return torch.cat((_rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        kw = {"dtype": dtype, "device": device}
-        self.gated = cfg.attn_output_gate  # q_proj emits [query | gate] per head
-        self.q_proj = nn.Linear(h, cfg.num_heads * d * (2 if self.gated else 1), bias=cfg.attention_bias, **kw)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, **kw)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, **kw)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias, **kw)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
-        self.qk_norm = cfg.qk_norm
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [T, 1, D]
-        sin: torch.Tensor,  # [T, 1, D]
-        cache: KVCache,
-        layer: int,
-        start_pos: int,
-        mask: torch.Tensor | None,  # [T, start_pos+T] bool, or None when is_causal / T == 1 suffices
-    ) -> torch.Tensor:
-        # returns: [B, T, H]
-        b, t, _ = x.shape
-        gate = None
-        if self.gated:
-            q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        else:
-            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        cache.write(layer, start_pos, k, v)
-        keys, values = cache.read(layer, start_pos + t)  # [B, S, KVH, D]
-        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        # is_causal aligns the mask top-left, which is right only when the window starts at 0.
-        causal = mask is None and t > 1
-        if _NATIVE_GQA:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=causal,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-        else:  # pragma: no cover - old torch only
-            rep = self.num_heads // self.num_kv_heads
-            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
-        out = out.transpose(1, 2).reshape(b, t, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(b, t, -1))
-        return self.o_proj(out)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
-        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None, layer: int = 0) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
-        self.is_linear = cfg.is_linear(layer)
-        # This layer's index among layers of its kind: its KV-cache layer or its LinearState layer.
-        self.slot = sum(cfg.is_linear(i) == self.is_linear for i in range(layer))
-        if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, dtype, device)
-        else:
-            self.self_attn = Attention(cfg, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
-        self.mlp = SparseMoeBlock(cfg, dtype, device) if cfg.is_moe(layer) else MLP(cfg, dtype, device)
+from draftflow.layers.config import TargetConfig
+from draftflow.layers.decoder import DecoderLayer
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.linear_state import LinearState
+from draftflow.layers.moe import SparseMoeBlock
+from draftflow.layers.norm import RMSNorm
+from draftflow.layers.rope import rope_inv_freq
 
 
 class TargetModel(nn.Module):
@@ -207,7 +56,7 @@ class TargetModel(nn.Module):
         `grouped`: one grouped GEMM per layer and window, or one GEMM per routed expert (None: the
         measured default, see `ExpertCache`).
         """
-        from draftflow.plugins.target.expert_cache import ExpertCache
+        from draftflow.layers.expert_cache import ExpertCache
 
         blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
         for block in blocks:  # free the old slots before allocating new ones (the blocks hold the old cache too)

@@ -14,17 +14,30 @@ from pathlib import Path
 
 import torch
 
-from draftflow.core.errors import DraftflowError, ModelFormatError
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import KV_TOKENS, BufferSpec, Manifest, Port, Vram
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Features, TargetOutput
-from draftflow.core.problems import Problem
-from draftflow.core.registry import NodeType
-from draftflow.plugins.target.config import TargetConfig, weight_bytes
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
+import torch.nn.functional as F
+
+from draftflow.plugin import (
+    EMBED_BUFFER,
+    HEAD_BUFFER,
+    KV_TOKENS,
+    TARGET_HANDLE,
+    BufferSpec,
+    Features,
+    Manifest,
+    ModelFormatError,
+    Node,
+    NodeType,
+    ParamSpec,
+    Port,
+    TargetHandle,
+    TargetInfo,
+    TargetOutput,
+    Vram,
+    hookimpl,
+)
+from draftflow.layers.config import TargetConfig, weight_bytes
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 
 PARAMS = (
     ParamSpec("path", "path", help="Hugging Face model directory or .gguf file"),
@@ -69,59 +82,12 @@ def read_any_config(path: str) -> TargetConfig:
     return read_config(path)
 
 
-def graph_target(plan) -> tuple[str, str, TargetConfig] | None:
-    """The graph's `target` node, its model path and config, also when its own manifest failed.
-
-    None when the graph has no single `target` node with a readable config (its own
-    problem then says why).
-    """
-    found = [(n, r.params) for n, r in plan.nodes.items() if r.node_type.name == "target"]
-    found += [(n, u.params) for n, u in plan.unresolved.items() if u.node_type.name == "target"]
-    if len(found) != 1 or "path" not in found[0][1]:
-        return None
-    name, params = found[0]
-    try:
-        return name, params["path"], read_any_config(params["path"])
-    except (DraftflowError, OSError):
-        return None
-
-
-def wrong_target_check(kind: str, trained_for):
-    """A check that every `kind` drafter was trained for the graph's target.
-
-    ``trained_for(params)`` returns what the drafter's files record about its target:
-    ``{"hidden": int, "vocab": int | None, "layers": int | None}`` (None: not recorded).
-    One problem per drafter names both sides, so a wrong pairing is not left to be guessed
-    from its knock-on problems (missing features, out-of-range tap layers).
-    """
-
-    def check(plan):
-        target = graph_target(plan)
-        if target is None:
-            return
-        target_name, target_path, cfg = target
-        have = {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "layers": cfg.num_layers}
-        for name, r in plan.nodes.items():
-            if r.node_type.name != kind:
-                continue
-            try:
-                trained = {k: v for k, v in trained_for(r.params).items() if v is not None}
-            except (DraftflowError, OSError):
-                continue  # its manifest read the same files; a file changed since is the run's problem
-            if all(have[k] == v for k, v in trained.items()):
-                continue
-            yield Problem(name, "wrong-target",
-                          f"drafter '{name}' was trained for a target with {_describe(trained)}; target '{target_name}' "
-                          f"({target_path}) has {_describe({k: have[k] for k in trained})}",
-                          f"use a drafter trained for this target (draftflow train {kind} --target {target_path} --out DIR)",
-                          kind, plan.spec.node(name).where if plan.spec.node(name) else "")
-
-    return check
-
-
-def _describe(facts: dict) -> str:
-    words = {"hidden": "hidden {}", "vocab": "vocab {}", "layers": "{} layers"}
-    return ", ".join(words[k].format(v) for k, v in facts.items())
+def target_info(params) -> TargetInfo:
+    """What checks may know of this target from its config alone (also when its manifest failed)."""
+    cfg = read_any_config(params["path"])
+    return TargetInfo(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,
+                      max_context=cfg.max_position_embeddings, tap_layers=tuple(params.get("tap_layers") or ()),
+                      path=str(params["path"]))
 
 
 def manifest(params, env) -> Manifest:
@@ -136,7 +102,11 @@ def manifest(params, env) -> Manifest:
                        doc="K and V per full-attention layer, addressed by position")]
     if cfg.is_hybrid:
         owns += linear_buffers(cfg, env.num_draft + 1, env.dtype, params["linear_rollback"])
-    provides = {"target.logits", f"kv.{params['kv_mode']}"}
+    owns += [BufferSpec(EMBED_BUFFER, (cfg.vocab_size, cfg.hidden_size), env.dtype, preallocate=False, of_weights=True,
+                        doc="the token embedding (read-only to every other node)"),
+             BufferSpec(HEAD_BUFFER, (cfg.vocab_size, cfg.hidden_size), env.dtype, preallocate=False, of_weights=True,
+                        doc="the LM head (the embedding itself when tied; read-only to every other node)")]
+    provides = {"target.logits", f"kv.{params['kv_mode']}", TARGET_HANDLE}
     if taps:
         owns.append(BufferSpec("target_features", (1, KV_TOKENS, len(taps) * cfg.hidden_size), env.dtype,
                                doc="feature taps of every position, concatenated in tap order"))
@@ -144,7 +114,7 @@ def manifest(params, env) -> Manifest:
     scratch = SCRATCH_TOKENS * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + SCRATCH_TOKENS * cfg.vocab_size * 4
     weights, pool = weight_bytes(cfg, dtype), None
     if cfg.moe_layers:  # routed experts are an elastic pool, not weights (docs/MOE.md)
-        from draftflow.plugins.target.moe import expert_pool_vram
+        from draftflow.layers.moe import expert_pool_vram
 
         pool, expert_bytes, moe_scratch = expert_pool_vram(cfg, dtype, params["expert_cache"], SCRATCH_TOKENS)
         weights, scratch = weights - expert_bytes, scratch + moe_scratch
@@ -156,6 +126,7 @@ def manifest(params, env) -> Manifest:
         vram=Vram(weights=weights, scratch=scratch, experts=pool),
         provides=provides,
         max_tokens=cfg.max_position_embeddings,
+        target=target_info(params),
     )
 
 
@@ -213,6 +184,8 @@ class Target(Node):
         self.expert_counts = {}  # MoE: expert-cache counters at the end of the last cycle (or prefill)
         if self.config.moe_layers:
             self.model.set_expert_cache(ctx.resident_experts)
+        ctx.buffers[EMBED_BUFFER] = self.model.embed_tokens.weight  # declared of_weights buffers: readers are checked
+        ctx.buffers[HEAD_BUFFER] = self.model.head_weight()
         self.runner = None  # static-shape windows as CUDA graphs; prefill always runs eagerly
         # The graph runner re-implements attention-only layers; hybrid stacks run the eager forward.
         # MoE stacks too: expert uploads are host decisions made per window, which a CUDA graph cannot capture.
@@ -221,6 +194,13 @@ class Target(Node):
             from draftflow.plugins.target.graphs import GraphRunner
 
             self.runner = GraphRunner(self.model, self.cache, ctx.num_draft + 1, self.taps or ())
+
+    def target_handle(self) -> TargetHandle:
+        head = self.model.head_weight()
+        return TargetHandle(target_info(self.ctx.params), tokenizer=self.tokenizer, eos_ids=self.eos_ids,
+                            dtype=self.ctx.dtype, device=torch.device(self.ctx.device), embed=self.model.embed_tokens,
+                            lm_head=lambda hidden: F.linear(hidden, head).float(), embed_weight=self.model.embed_tokens.weight,
+                            head_weight=head, features=self.features, config=self.config)
 
     def tensors(self):
         yield from self.model.parameters()
@@ -294,5 +274,5 @@ class Target(Node):
 def draftflow_register_nodes(registry):
     registry.add_node_type(NodeType(
         name="target", role="target", manifest=manifest, factory=Target, params=PARAMS,
-        capabilities=("target.logits", "target.features", "kv.static", "kv.grow"),
+        capabilities=("target.logits", "target.features", "target.handle", "kv.static", "kv.grow"), target_info=target_info,
         description="Qwen3 / Llama / Qwen2 dense or Qwen3-Next hybrid target from a Hugging Face directory or GGUF file"))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from draftflow.layers.sampling import sample
 
 __all__ = ["greedy_accept", "rejection_sample"]
 

@@ -16,7 +16,7 @@ from draftflow.core.params import ParamSpec
 from draftflow.core.ports import Verdict
 from draftflow.core.registry import NodeType
 from draftflow.plugins.verifier.accept import greedy_accept, rejection_sample
-from draftflow.plugins.verifier.sampling import filter_logits
+from draftflow.layers.sampling import filter_logits
 
 PARAMS = (
     ParamSpec("mode", "str", "auto", "auto: greedy at temperature 0, rejection sampling above; greedy: always argmax",

@@ -13,7 +13,7 @@ from draftflow.core.errors import DraftflowError
 from draftflow.plugins.dflash.loader import read_artifact
 from draftflow.plugins.dflash.model import DFlashModel
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 from draftflow.testing import greedy_gate
 from draftflow.tools.tiny_model import write_tiny_model
 from draftflow.tools.train.cli import main as train_main

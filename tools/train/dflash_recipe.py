@@ -27,8 +27,9 @@ from safetensors.torch import save_file
 
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.model import DFlashModel, draft_logits
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.model import TargetModel, _rotate
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.rope import rotate as _rotate
+from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.loop import WindowKV, estimate_acceptance
 from draftflow.tools.train.output import write_files
 

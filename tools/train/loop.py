@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from draftflow.core.errors import DraftflowError
-from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.output import write_file
 

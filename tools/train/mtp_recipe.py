@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from draftflow.plugins.mtp.model import MtpHead
 from draftflow.plugins.mtp.weights import _HEAD_NAMES
-from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.loop import WindowKV, estimate_acceptance, init_weights
 from draftflow.tools.train.output import write_files

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.data import WindowSampler
 

@@ -12,7 +12,7 @@ from numerics import assert_close_to_scale, tiny_model_bound
 from draftflow.plugins.dflash.config import kv_shape
 from draftflow.plugins.dflash.loader import load_drafter
 from draftflow.plugins.dflash.model import draft_logits
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 
 # (new context rows C, block width W) per cycle: prefill-sized context, partial acceptances, a short final block.
 CYCLES = [(7, 6), (3, 6), (1, 6), (6, 6), (2, 4), (1, 2)]

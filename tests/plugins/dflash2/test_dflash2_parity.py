@@ -20,7 +20,7 @@ from draftflow.plugins.dflash.config import kv_shape
 from draftflow.plugins.dflash.model import draft_logits
 from draftflow.plugins.dflash2.loader import load_drafter
 from draftflow.plugins.dflash2.model import walk
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 
 # (new context rows C, block width W) per cycle: prefill-sized context, partial acceptances, a short final block.
 CYCLES = [(7, 6), (3, 6), (1, 6), (6, 6), (2, 4), (1, 2)]

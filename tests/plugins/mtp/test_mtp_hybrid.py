@@ -14,8 +14,8 @@ from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
 from draftflow.plugins.mtp.model import load_head
 from draftflow.plugins.mtp.weights import find_mtp
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.moe import SparseMoeBlock
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.moe import SparseMoeBlock
 from draftflow.testing import greedy_gate
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,

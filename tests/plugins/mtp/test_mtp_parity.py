@@ -15,7 +15,7 @@ from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
 from draftflow.plugins.mtp.model import load_head
 from draftflow.plugins.mtp.weights import find_mtp
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 
 CASES = [("deepseek-v3", "qwen3"), ("qwen3-next", "qwen3"), ("deepseek-v3", "llama")]
 

@@ -12,7 +12,7 @@ from draftflow.core.errors import RequestError
 from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 from draftflow.tools.tiny_model import write_tiny_model
 
 PROMPTS = ([5, 17, 42, 9], [200, 2, 2, 7, 81, 64, 11], [123])

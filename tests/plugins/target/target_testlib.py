@@ -89,7 +89,7 @@ def hf_greedy(hf, prompt: torch.Tensor, steps: int) -> list[int]:
 
 def our_greedy(model, cfg, prompt: torch.Tensor, steps: int) -> list[int]:
     """Greedy continuation through our TargetModel over a growing float32 KV cache on the CPU."""
-    from draftflow.plugins.target.kv_cache import KVCache
+    from draftflow.layers.kv_cache import KVCache
 
     cache = KVCache.growing(cfg, 1, 256, torch.float32, "cpu", chunk_tokens=16)
     ids, pos, out = prompt, 0, []

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftflow.plugins.target.config import TargetConfig, expected_tensors, kv_bytes_per_token, weight_bytes
-from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.layers.config import TargetConfig, expected_tensors, kv_bytes_per_token, weight_bytes
+from draftflow.core.errors import ModelFormatError
 
 BASE = {
     "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -11,7 +11,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from draftflow.plugins.target.gguf_loader import PRE_TOKENIZER_REGEX, load_gguf, read_gguf_config
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 from draftflow.tools.convert_gguf import convert_hf_to_gguf, main
 
 CASES = {

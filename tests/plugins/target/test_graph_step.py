@@ -16,9 +16,10 @@ from draftflow.core.node import SamplingParams
 from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
-from draftflow.plugins.target.graphs import GraphRunner, bucket_for, fuse_projections, joined
+from draftflow.layers.attention import bucket_for
+from draftflow.plugins.target.graphs import GraphRunner, fuse_projections, joined
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.layers.kv_cache import KVCache, static_shape
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]
@@ -87,7 +88,7 @@ def test_static_step_taps_match_eager(hf_dir):
 
 def test_attention_batch_layout_equals_single_sequence():
     """Folded attention gives each sequence of a batch what it gives that sequence alone (the batch-1 layout differs)."""
-    from draftflow.plugins.target.graphs import _attend
+    from draftflow.layers.attention import attend_prefix as _attend
 
     gen = torch.Generator().manual_seed(0)
     w, kvh, g, d, s = 3, 2, 4, 16, 8

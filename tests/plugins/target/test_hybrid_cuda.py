@@ -6,10 +6,10 @@ import pytest
 import torch
 from hybrid_testlib import VOCAB, build_hybrid, save
 
-from draftflow.plugins.target import gdn
+from draftflow.layers import gdn
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.linear_state import LinearState
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.linear_state import LinearState
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SPLIT = 190  # prefill chunk (chunked form), then a 10-token window (recurrent form)

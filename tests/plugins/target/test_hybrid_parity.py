@@ -14,10 +14,10 @@ from draftflow.core.node import SamplingParams
 from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
-from draftflow.plugins.target.config import TargetConfig
+from draftflow.layers.config import TargetConfig
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.linear_state import LinearState
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.linear_state import LinearState
 
 
 @pytest.fixture(scope="module")

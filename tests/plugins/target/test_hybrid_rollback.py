@@ -13,8 +13,8 @@ from draftflow.core.node import SamplingParams
 from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.linear_state import LinearState
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.linear_state import LinearState
 
 PROMPTS = ([5, 17, 42, 9], [200, 2, 2, 7, 81, 64, 11])
 NEW = 40
@@ -94,7 +94,7 @@ def test_states_equal_fresh_run_after_every_cycle(model_dir, rollback, case, ora
 
 def test_commit_outside_the_window_is_an_error(model_dir):
     """Committing past what the last window computed is refused with the fix in the message."""
-    from draftflow.plugins.target.errors import CacheCapacityError
+    from draftflow.core.errors import CacheCapacityError
     from draftflow.plugins.target.hf_loader import load_hf
 
     loaded = load_hf(model_dir, "cpu", torch.float32)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftflow.plugins.target.config import TargetConfig, kv_bytes_per_token
-from draftflow.plugins.target.errors import CacheCapacityError
-from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.layers.config import TargetConfig, kv_bytes_per_token
+from draftflow.core.errors import CacheCapacityError
+from draftflow.layers.kv_cache import KVCache, static_shape
 
 HF_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.target.gguf_loader import load_gguf
 from draftflow.plugins.target.hf_loader import load_hf, read_config
 from draftflow.tools import convert_gguf

@@ -8,7 +8,7 @@ from numerics import assert_close_to_scale, scaled_error, tiny_model_bound
 from target_testlib import LLAMA3_ROPE, VOCAB, hf_greedy, our_greedy
 
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 
 CASES = {
     "qwen3-untied-gqa2": ("qwen3", {"kv_heads": 2}),

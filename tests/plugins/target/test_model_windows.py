@@ -8,7 +8,7 @@ from numerics import assert_close_to_scale, tiny_model_bound
 from target_testlib import VOCAB
 
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache, static_shape
+from draftflow.layers.kv_cache import KVCache, static_shape
 
 BOUND = tiny_model_bound(2)  # another order of the same float32 sums; see tests/numerics.py
 

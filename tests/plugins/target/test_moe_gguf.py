@@ -9,7 +9,7 @@ from moe_testlib import VOCAB, build_hf_moe, save_hf_moe
 
 from draftflow.plugins.target.gguf_loader import load_gguf
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 from draftflow.tools.convert_gguf import convert_hf_to_gguf
 
 TOKENS = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(11))  # [2, 20]

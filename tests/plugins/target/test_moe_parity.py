@@ -9,10 +9,10 @@ from numerics import scaled_error
 from safetensors.torch import save_file
 from target_testlib import hf_greedy, our_greedy
 
-from draftflow.plugins.target.expert_cache import ExpertCache
+from draftflow.layers.expert_cache import ExpertCache
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
-from draftflow.plugins.target.moe import HostExperts
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.moe import HostExperts
 
 TOTAL = 2 * NUM_EXPERTS
 FRACTIONS = {"full": TOTAL, "half": TOTAL // 2, "tenth": TOTAL // 10}

@@ -1,4 +1,4 @@
-"""Tests for draftflow.plugins.verifier.sampling: filter_logits and sample."""
+"""Tests for draftflow.layers.sampling: filter_logits and sample."""
 
 import pytest
 import torch

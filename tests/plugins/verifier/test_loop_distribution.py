@@ -15,9 +15,9 @@ from draftflow.core.node import SamplingParams
 from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
-from draftflow.plugins.target.config import TargetConfig
+from draftflow.layers.config import TargetConfig
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.plugins.target.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache
 from draftflow.tools.tiny_model import hf_config, random_weights
 
 VOCAB, PROMPT, RUNS, T = 6, [1, 4, 2], 3000, 1.3

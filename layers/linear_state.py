@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.plugins.target.config import TargetConfig
-from draftflow.plugins.target.errors import CacheCapacityError
+from draftflow.layers.config import TargetConfig
+from draftflow.core.errors import CacheCapacityError
 
 MODES = ("select", "replay")
 

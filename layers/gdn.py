@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.plugins.target.config import TargetConfig
-from draftflow.plugins.target.linear_state import LinearState, delta_step
+from draftflow.layers.config import TargetConfig
+from draftflow.layers.linear_state import LinearState, delta_step
 
 CHUNK = 64
 

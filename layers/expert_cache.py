@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftflow.plugins.target.moe import HostExperts
+from draftflow.layers.moe import HostExperts
 
 HALF_LIFE_TOKENS = 64
 _DECAY_PER_TOKEN = 0.5 ** (1 / HALF_LIFE_TOKENS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.core.errors import ModelFormatError
 
 GGUF_ARCHS = {"qwen3moe": "qwen3_moe"}  # GGUF general.architecture -> TargetConfig.arch
 MOE_LAYER_NAMES = {  # HF module suffix inside `model.layers.N.` -> llama.cpp suffix inside `blk.N.`
@@ -76,3 +76,33 @@ def write_moe_metadata(writer, arch: str, cfg) -> None:
     writer.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
     if cfg.shared_expert_intermediate_size:
         writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+
+
+# HF module suffix inside `model.layers.N.` -> llama.cpp suffix inside `blk.N.`.
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    **MOE_LAYER_NAMES,
+}
+TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def hf_to_gguf_name(hf_name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.bias` -> `blk.3.attn_q.bias` (and the top-level names)."""
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in TOP_NAMES:
+        return f"{TOP_NAMES[stem]}.{kind}"
+    expert = expert_gguf_name(hf_name)
+    if expert is not None:
+        return expert
+    _, _, layer, module = stem.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"

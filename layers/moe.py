@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.core.errors import ModelFormatError
 
 if TYPE_CHECKING:
-    from draftflow.plugins.target.config import TargetConfig
-    from draftflow.plugins.target.expert_cache import LayerExperts
+    from draftflow.layers.config import TargetConfig
+    from draftflow.layers.expert_cache import LayerExperts
 
 def moe_fields(d: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
     """TargetConfig MoE fields from an HF config dict (Qwen3-MoE names; transformers 5 writes `num_local_experts`)."""
@@ -192,7 +192,7 @@ class SparseMoeBlock(nn.Module):
 def expert_pool_vram(cfg: TargetConfig, dtype: torch.dtype, pinned: int, window: int = 512):
     """(ExpertPool, routed-expert bytes, extra scratch bytes) for a manifest; pinned 0 = autosize."""
     from draftflow.core.manifest import ExpertPool
-    from draftflow.plugins.target.expert_cache import min_resident
+    from draftflow.layers.expert_cache import min_resident
 
     if pinned < 0:
         raise ModelFormatError(f"param expert_cache is {pinned}; expected 0 (autosize) or a positive count of experts")

@@ -8,12 +8,15 @@ source of truth for which weights a checkpoint must hold and with which shapes.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from draftflow.plugins.target.errors import ModelFormatError
+from draftflow.core.errors import ModelFormatError
+from draftflow.core.files import read_json_object
 
 # HF `architectures[0]` and `model_type` spellings -> our arch name.
 SUPPORTED_ARCHITECTURES = {
@@ -167,7 +170,7 @@ class TargetConfig:
         bias = get.bool("attention_bias", False)
         hybrid = _hybrid_fields(d, get, source) if arch == "qwen3_next" else {}
         if arch == "qwen3_moe":
-            from draftflow.plugins.target.moe import moe_fields
+            from draftflow.layers.moe import moe_fields
 
             hybrid.update(moe_fields(d, source, get.int("num_hidden_layers")))
         return cls(
@@ -211,7 +214,7 @@ def _hybrid_fields(d: dict[str, Any], get: _Getter, source: str) -> dict[str, An
     rope = get.mapping("rope_parameters")
     fields: dict[str, Any] = {}
     if any(_is_sparse(d, i) for i in range(layers)):  # sparse MLPs: the Qwen3-MoE block with a shared expert
-        from draftflow.plugins.target.moe import moe_fields
+        from draftflow.layers.moe import moe_fields
 
         fields = moe_fields(d, source, layers)
     return fields | {
@@ -370,7 +373,7 @@ def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
             out.update(_attention_tensors(cfg, p + "self_attn."))
         out[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.is_moe(i):
-            from draftflow.plugins.target.moe import moe_tensors
+            from draftflow.layers.moe import moe_tensors
 
             out.update(moe_tensors(cfg, p + "mlp."))
             continue
@@ -427,3 +430,11 @@ def _prod(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def read_config(path: str | os.PathLike[str]) -> TargetConfig:
+    """Parse `path/config.json` only (no weights), e.g. to size allocations first."""
+    file = Path(path) / "config.json"
+    if not file.exists() and not file.is_symlink():
+        raise ModelFormatError(f"{file}: file is missing; expected a JSON file; point at an HF model directory")
+    return TargetConfig.from_hf_dict(read_json_object(file), str(file))
