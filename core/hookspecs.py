@@ -38,6 +38,23 @@ def draftflow_add_checks(registry):
     """
 
 
+# --- compose ------------------------------------------------------------------------
+@hookspec
+def draftflow_target_params(plugin, params, target):
+    """Say what a node of your plugin needs of the target's params in a shortcut graph.
+
+    ``draftflow generate --target T --dflash D`` builds its graph without YAML; for each
+    drafter node it asks every plugin, and merges the answers into the target's params
+    (list values are unioned, in order), e.g. DFlash answers ``{"tap_layers": [1, 2]}``.
+
+    :param plugin: the node type name (answer only for your own node types).
+    :param params: the node's params as given (not yet validated).
+    :param target: the target's ``TargetInfo`` (from its config), or None when unreadable.
+    :return: a dict of target params, or None. All implementations are called; a
+        ``DraftflowError`` raised here is left to the node's own check to report.
+    """
+
+
 # --- trace ----------------------------------------------------------------------------
 @hookspec
 def draftflow_cycle_event(event):
