@@ -412,10 +412,10 @@ def test_every_5xx_is_logged_with_its_exception(monkeypatch):
                 raise exc
             return raiser
 
-        monkeypatch.setattr(engine.executor, "generate", fail(RuntimeError("boom in generate")))
+        monkeypatch.setattr(engine.executor, "step", fail(RuntimeError("boom in step")))
         status, _, body = request(port, "POST", CP, C(), key=None)
-        assert status == 500 and "RuntimeError: boom in generate" in json.loads(body)["error"]["message"]
-        monkeypatch.setattr(engine.executor, "generate", fail(RequestError("the prompt is too long for X")))
+        assert status == 500 and "RuntimeError: boom in step" in json.loads(body)["error"]["message"]
+        monkeypatch.setattr(engine.executor, "step", fail(RequestError("the prompt is too long for X")))
         status, _, body = request(port, "POST", CP, C(), key=None)
         assert (status, json.loads(body)["error"]["message"]) == (400, "the prompt is too long for X")
         monkeypatch.setattr(server.api, "parse", fail(RequestError("sampling: top_k is wrong")))
@@ -438,7 +438,7 @@ def test_every_5xx_is_logged_with_its_exception(monkeypatch):
         structlog.configure(**saved)
     events = [json.loads(line) for line in logs.getvalue().splitlines() if line.startswith("{")]
     failed = [e for e in events if e.get("event") == "request_failed"]
-    assert [e["error"] for e in failed] == ["RuntimeError: boom in generate", "KeyError: 'bug in parse'"], events
+    assert [e["error"] for e in failed] == ["RuntimeError: boom in step", "KeyError: 'bug in parse'"], events
     for event in failed:
         assert event["status"] == 500 and event["level"] == "error"
         assert event["exception"].startswith("Traceback") and "in raiser" in event["exception"], event
