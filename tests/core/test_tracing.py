@@ -68,7 +68,10 @@ def test_jsonl_sink_and_summarize(registry, tmp_path):
     assert summary["tau"] == result.stats["tau"] and summary["tokens"] == 20
     assert summary["per_position_acceptance"] == result.stats["per_position_acceptance"]
     assert sum(summary["accept_length_histogram"].values()) == result.stats["cycles"]
-    from draftflow.core.summarize import plot
+    assert summary["mean_prefill_ms"] == result.stats["prefill_ms"] and summary["load_s"] == result.stats["load_s"]
+    from draftflow.core.summarize import plot, render
+
+    assert f"(prefill {result.stats['prefill_ms']:.2f} ms)" in render(summary) and "warm-up none" in render(summary)
 
     plot(summary, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
