@@ -12,6 +12,7 @@ from draftflow.core.errors import (
     ModelFormatError,
     OwnershipError,
     RequestError,
+    SpecError,
 )
 from draftflow.core.files import file_problem, read_json_object
 from draftflow.core.hookspecs import hookimpl
@@ -35,6 +36,6 @@ __all__ = [
     "BufferSpec", "CacheCapacityError", "Candidates", "CheckError", "CommitInfo", "DraftflowError", "EMBED_BUFFER",
     "ExpertPool", "Features", "HEAD_BUFFER", "Incompatibility", "KV_TOKENS", "Manifest", "ModelFormatError", "Node",
     "NodeContext", "NodeType", "OwnershipError", "ParamSpec", "Port", "Problem", "Proposal", "RequestError",
-    "RequestState", "SamplingParams", "TARGET_HANDLE", "TargetHandle", "TargetInfo", "TargetOutput", "Vram", "Verdict",
+    "RequestState", "SamplingParams", "SpecError", "TARGET_HANDLE", "TargetHandle", "TargetInfo", "TargetOutput", "Vram", "Verdict",
     "file_problem", "hookimpl", "read_json_object", "target_info", "wrong_target_check",
 ]

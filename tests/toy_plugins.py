@@ -26,7 +26,6 @@ from draftflow.plugin import (
     Vram,
     hookimpl,
 )
-from draftflow.core.target import TargetHandle, TargetInfo
 
 
 def next_token(prev: int, vocab: int) -> int:

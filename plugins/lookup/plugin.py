@@ -12,13 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from draftflow.core.errors import SpecError
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import Manifest, Port, Vram
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Proposal
-from draftflow.core.registry import NodeType
+from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, Proposal, SpecError, Vram, hookimpl
 from draftflow.plugins.lookup.matcher import find_continuation, warm_up
 
 PARAMS = (

@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import re
 
-from draftflow.core.errors import SpecError
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import Manifest, Port
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.registry import NodeType
+from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, SpecError, hookimpl
 
 POLICIES = ("first-nonempty", "longest")
 _PORT = re.compile(r"^[a-z_][a-z0-9_]*$")

@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import Manifest, Port
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Proposal
-from draftflow.core.registry import NodeType
+from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, Proposal, hookimpl
 
 PARAMS = (
     ParamSpec("reference", "int_list", help="token ids that continue the prompt", minimum=0),

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import Manifest, Port
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Verdict
-from draftflow.core.registry import NodeType
+from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, Verdict, hookimpl
 from draftflow.plugins.verifier.accept import greedy_accept, rejection_sample
 from draftflow.layers.sampling import filter_logits
 

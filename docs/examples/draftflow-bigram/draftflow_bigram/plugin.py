@@ -16,13 +16,7 @@ from typing import Sequence
 
 import torch
 
-from draftflow.core.errors import SpecError
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import Manifest, Port, Vram
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Proposal
-from draftflow.core.registry import NodeType
+from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, Proposal, SpecError, Vram, hookimpl
 
 PARAMS = (
     ParamSpec("min_count", "int", 1, "times a successor must have been seen before it is drafted (>= 1)"),
