@@ -147,7 +147,7 @@ class TargetConfig:
             raise ModelFormatError(f"{source}: holds a JSON {type(d).__name__}; expected an object of config fields; "
                                    "point at a Hugging Face model directory")
         arch = _arch_of(d, source)
-        get = _Getter(d, source)
+        get = ConfigFields(d, source)
         hidden, heads = get.int("hidden_size"), get.int("num_attention_heads")
         if d.get("hidden_act", "silu") != "silu":
             raise ModelFormatError(
@@ -184,7 +184,7 @@ class TargetConfig:
             head_dim=get.int("head_dim", hidden // heads),
             rms_norm_eps=get.number("rms_norm_eps", 1e-6),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(rope, get.nested(rope_key), d, source),
+            rope_scaling=rope_scaling_of(rope, get.nested(rope_key), d, source),
             max_position_embeddings=get.int("max_position_embeddings", 2048),
             tie_word_embeddings=get.bool("tie_word_embeddings", False),
             attention_bias=True if arch == "qwen2" else bias,
@@ -197,7 +197,7 @@ class TargetConfig:
         )
 
 
-def _hybrid_fields(d: dict[str, Any], get: _Getter, source: str) -> dict[str, Any]:
+def _hybrid_fields(d: dict[str, Any], get: ConfigFields, source: str) -> dict[str, Any]:
     """Qwen3-Next extras: the layer pattern, gated attention, (1+w) norms, Gated DeltaNet shapes."""
     layers = get.int("num_hidden_layers")
     types = d.get("layer_types")
@@ -265,7 +265,8 @@ def _arch_of(d: dict[str, Any], source: str) -> str:
     )
 
 
-def _rope_scaling(rope: dict[str, Any], get: _Getter, d: dict[str, Any], source: str) -> RopeScaling | None:
+def rope_scaling_of(rope: dict[str, Any], get: ConfigFields, d: dict[str, Any], source: str) -> RopeScaling | None:
+    """The RoPE scaling of a `rope_scaling` / `rope_parameters` mapping (`get` reads it), or None for default RoPE."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", None):
         return None
@@ -280,14 +281,14 @@ def _rope_scaling(rope: dict[str, Any], get: _Getter, d: dict[str, Any], source:
         low_freq_factor=get.number("low_freq_factor"),
         high_freq_factor=get.number("high_freq_factor"),
         original_max_position_embeddings=(get.int("original_max_position_embeddings") if "original_max_position_embeddings" in rope
-                                          else _Getter(d, source).int("max_position_embeddings", 8192)),
+                                          else ConfigFields(d, source).int("max_position_embeddings", 8192)),
     )
 
 
 _MISSING = object()
 
 
-class _Getter:
+class ConfigFields:
     """Reads typed config fields, raising one-line errors that name the file and the field.
 
     A field given as ``null`` counts as absent (HF writes ``"head_dim": null``); a field
@@ -341,8 +342,8 @@ class _Getter:
             self._fail(key, value, "an object (or null)")
         return value
 
-    def nested(self, key: str) -> _Getter:
-        return _Getter(self.mapping(key), self._source, f"{self._prefix}{key}.")
+    def nested(self, key: str) -> ConfigFields:
+        return ConfigFields(self.mapping(key), self._source, f"{self._prefix}{key}.")
 
     def token_id(self, key: str) -> int | None:
         return None if self._d.get(key) is None else self.int(key, minimum=0)
@@ -438,3 +439,7 @@ def read_config(path: str | os.PathLike[str]) -> TargetConfig:
     if not file.exists() and not file.is_symlink():
         raise ModelFormatError(f"{file}: file is missing; expected a JSON file; point at an HF model directory")
     return TargetConfig.from_hf_dict(read_json_object(file), str(file))
+
+
+# The names these had before they were public (plugins/target imports `_Getter`).
+_Getter, _rope_scaling = ConfigFields, rope_scaling_of
