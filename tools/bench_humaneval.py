@@ -57,7 +57,7 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32")
                                        mix_edges),
     }
     if (demo / "dflash2" / "config.json").exists():
-        from draftflow.plugins.dflash2.loader import read_config
+        from draftflow.plugins.dflash.dflash2_loader import read_config
 
         taps = read_config(demo / "dflash2").base.target_layer_ids
         dflash2 = {"plugin": "dflash2", "params": {"path": str(demo / "dflash2")}}

@@ -27,9 +27,9 @@ from safetensors.torch import save_file
 from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.loader import GGUF_ARCH, hf_to_gguf_name, is_gguf, read_artifact
-from draftflow.plugins.dflash2 import loader as dflash2_loader
+from draftflow.plugins.dflash import dflash2_loader
 from draftflow.tools.convert_gguf import write_backbone_metadata
-from draftflow.plugins.dflash2.config import CODEBOOKS, EXTRA_KEYS
+from draftflow.plugins.dflash.dflash2_config import CODEBOOKS, EXTRA_KEYS
 
 _FILE_TYPE = {torch.float32: gguf.LlamaFileType.ALL_F32, torch.float16: gguf.LlamaFileType.MOSTLY_F16,
               torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16}

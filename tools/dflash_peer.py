@@ -48,7 +48,7 @@ class PeerPair:
         from dflash.model import DFlash2DraftModel, DFlashDraftModel
         from transformers import AutoModelForCausalLM
 
-        from draftflow.plugins.dflash2.loader import is_dflash2
+        from draftflow.plugins.dflash.dflash2_loader import is_dflash2
 
         cls = DFlash2DraftModel if is_dflash2(drafter_dir) else DFlashDraftModel
         self.device = device

@@ -15,9 +15,8 @@ from typing import Any
 import attrs
 import torch
 
-from draftflow.core.errors import ModelFormatError
-from draftflow.layers.config import RopeScaling, _Getter
-from draftflow.layers.config import _rope_scaling as target_rope_scaling
+from draftflow.layers.config import ConfigFields, RopeScaling, rope_scaling_of
+from draftflow.plugin import ModelFormatError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # HF module suffix inside `layers.N.` -> shape as a function of the config (see expected_tensors).
@@ -103,10 +102,10 @@ class DFlashConfig:
         if not isinstance(d, dict):
             raise ModelFormatError(f"{source}: holds a JSON {type(d).__name__}; expected an object of config fields; "
                                    "point at a z-lab DFlash directory")
-        get = _Getter(d, source)
+        get = ConfigFields(d, source)
         extra = get.mapping("dflash_config")
 
-        def field(key: str) -> _Getter:
+        def field(key: str) -> ConfigFields:
             # z-lab's lookup order: dflash_config first, then the top level.
             return get.nested("dflash_config") if extra.get(key) is not None else get
 
@@ -152,7 +151,7 @@ class DFlashConfig:
             head_dim=get.int("head_dim", hidden // heads),
             rms_norm_eps=get.number("rms_norm_eps", 1e-6),
             rope_theta=get.nested(rope_key).number("rope_theta") if "rope_theta" in rope else get.number("rope_theta", 10000.0),
-            rope_scaling=target_rope_scaling(rope, get.nested(rope_key), d, source),
+            rope_scaling=rope_scaling_of(rope, get.nested(rope_key), d, source),
             max_position_embeddings=get.int("max_position_embeddings", 40960),
             block_size=field("block_size").int("block_size", 16),
             target_layer_ids=tuple(ids),

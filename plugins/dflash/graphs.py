@@ -10,37 +10,25 @@ prefix (a bucket, as in the target's graphs) with later keys masked, so one grap
 bucket serves every cycle of a width (the width shrinks only near `max_new_tokens`) and a
 replay needs no Python and no host synchronisation.
 
-The math is `DFlashModel.add_context` followed by `DFlashModel.forward`, op for op
-(DFlash2's convolution slots included), so float32 results agree with the eager node to
-rounding (tests/plugins/dflash/test_dflash_graph_runner.py).
+There is no second implementation: a replay runs `DFlashModel.forward`, the eager node's
+forward, with positions and masks built on the device (`DFlashModel.cache_window`), so
+float32 results agree with the eager node to rounding
+(tests/plugins/dflash/test_dflash_draft_runner.py). `warmup` captures the graphs of the
+first buckets at load (the node's `Node.warmup`), so a first request captures nothing.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from draftflow.plugins.dflash.config import DFlashConfig
-from draftflow.plugins.dflash.model import DFlashModel, draft_logits
-from draftflow.layers.attention import attend_prefix, bucket_for
+from draftflow.layers.attention import bucket_for
 from draftflow.layers.graphs import GraphCache
 from draftflow.layers.kv_cache import KVCache
-from draftflow.layers.rope import rope_tables, rotate
+from draftflow.plugins.dflash.model import DFlashModel, draft_logits
 
-
-def _visible(cfg: DFlashConfig, layer: int, block_pos: torch.Tensor, bucket: int) -> torch.Tensor:
-    """Which of the first `bucket` keys each block row sees: the context and the block (causally / windowed per layer)."""
-    # block_pos: [W] absolute positions of the block rows; returns [W, bucket] bool
-    key = torch.arange(bucket, device=block_pos.device)[None, :]  # [1, S]
-    query = block_pos[:, None]  # [W, 1]
-    visible = (key <= block_pos[-1]).expand(block_pos.shape[0], bucket)  # every cell up to the block's last row
-    if cfg.layer_is_causal(layer):
-        visible = visible & (key <= query)
-    if cfg.layer_type(layer) == "sliding_attention":
-        visible = visible & (query - key < cfg.sliding_window)
-        if not cfg.layer_is_causal(layer):
-            visible = visible & (key - query < cfg.sliding_window)
-    return visible
+# Buckets `warmup` captures per width: the first two cover prompt + output up to 2 * MIN_BUCKET
+# tokens (512 by default); longer requests capture their next bucket once, on first use.
+WARMUP_BUCKETS = 2
 
 
 class DraftRunner:
@@ -62,6 +50,7 @@ class DraftRunner:
         self.block = torch.full((1, width), cfg.mask_token_id, dtype=torch.long, device=device)  # [1, W]
         self.start = torch.zeros(1, dtype=torch.long, device=device)  # first new context row
         self.num_new = torch.zeros(1, dtype=torch.long, device=device)  # C
+        self.rows = torch.arange(width, device=device)  # [W]
         self.hidden = torch.zeros(1, width - 1, cfg.hidden_size, dtype=dtype, device=device)  # [1, W-1, H]
         self.logits = torch.zeros(1, width - 1, head.shape[0], dtype=torch.float32, device=device)  # [1, W-1, V]
         self.graphs = GraphCache(self._run, capture, device)
@@ -82,47 +71,37 @@ class DraftRunner:
         self.block[:, :1].fill_(anchor)
         self.start.fill_(start)
         self.num_new.fill_(c)
-        bucket = bucket_for(end, self.cache.capacity, self.min_bucket)
-        self.graphs(w, bucket)
+        self.graphs(w, bucket_for(end, self.cache.capacity, self.min_bucket))
         self.cache.commit(start + c)  # the context now ends where the block began
         return self.hidden[:, :w - 1], self.logits[:, :w - 1]
 
-    def _step(self, w: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        m, cfg, kv = self.model, self.cfg, self.cache.buffer
-        arange = torch.arange(w, device=self.block.device)
-        ctx_pos = self.start + arange  # [W]; rows >= C are overwritten by the block below
-        ctx = m.hidden_norm(m.fc(self.features[:, :w]))  # [1, W, H]
-        cos, sin = rope_tables(m.inv_freq, ctx_pos, ctx.dtype)
-        for i, layer in enumerate(m.layers):
-            k, v = layer.self_attn.keys_values(ctx, cos, sin)
-            kv[i, 0].index_copy_(1, ctx_pos, k)
-            kv[i, 1].index_copy_(1, ctx_pos, v)
+    def warmup(self) -> list[tuple[int, int]]:
+        """Capture the full-width graphs of the first `WARMUP_BUCKETS` buckets now (at load), not in a request.
 
-        pos = self.start + self.num_new + arange  # [W] block positions
-        x = F.embedding(self.block[:, :w], self.embed)  # [1, W, H]
-        if cfg.input_embedding_scale != 1.0:
-            x = x * cfg.input_embedding_scale
-        cos, sin = rope_tables(m.inv_freq, pos, x.dtype)
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            h, attn_state = layer.input_layernorm(x), None
-            if layer.attention_conv is not None:
-                h, attn_state = layer.attention_conv.prepare(h)
-            q = rotate(attn.q_norm(attn.q_proj(h).view(1, w, attn.num_heads, attn.head_dim)), cos, sin)
-            k, v = attn.keys_values(h, cos, sin)
-            kv[i, 0].index_copy_(1, pos, k)
-            kv[i, 1].index_copy_(1, pos, v)
-            groups = attn.num_heads // attn.num_kv_heads
-            visible = _visible(cfg, i, pos, bucket)  # [W, S]
-            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
-            folded = q.view(1, w, attn.num_kv_heads, groups, attn.head_dim).permute(0, 2, 3, 1, 4)
-            folded = folded.reshape(1, attn.num_kv_heads, groups * w, attn.head_dim)  # [1, KVH, G*W, D]
-            out = attend_prefix(folded, kv[i, 0, :, :bucket], kv[i, 1, :, :bucket], mask.repeat(groups, 1), w)
-            x = layer.finish(x, attn.o_proj(out), attn_state)
-        hidden = m.norm(x)[:, 1:]  # [1, W-1, H]
-        return hidden, draft_logits(hidden, self.head, cfg)
+        Capture runs the step on the static inputs as they are (zeros): it writes draft-cache
+        cells past the committed length only, which every request rewrites before reading.
+        Returns the (width, bucket) keys captured.
+        """
+        if not self.capture:
+            return []
+        keys, end = [], self.width
+        for _ in range(WARMUP_BUCKETS):
+            bucket = bucket_for(end, self.cache.capacity, self.min_bucket)
+            if (self.width, bucket) not in keys:
+                keys.append((self.width, bucket))
+            end = bucket + 1
+        for key in keys:
+            self.graphs.prepare(*key)
+        return keys
 
     def _run(self, w: int, bucket: int) -> None:
-        hidden, logits = self._step(w, bucket)
+        """The model's one forward on the static inputs: W context rows (rows >= C are stale, and overwritten
+        by the block, which starts at start + C), then the block; hidden states and logits into static outputs."""
+        m, rows = self.model, self.rows[:w]
+        context_pos = self.start + rows  # [W]
+        block_pos = context_pos + self.num_new  # [W]
+        window = m.cache_window(context_pos, block_pos, bucket, self.embed.dtype)
+        x = m.embed_block(self.block[:, :w], self.embed)  # [1, W, H]
+        hidden = m(self.features[:, :w], x, window, self.cache.buffer)[:, 1:]  # [1, W-1, H]
         self.hidden[:, :w - 1].copy_(hidden)
-        self.logits[:, :w - 1].copy_(logits)
+        self.logits[:, :w - 1].copy_(draft_logits(hidden, self.head, self.cfg))

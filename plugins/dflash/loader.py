@@ -21,11 +21,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from safetensors import safe_open
 
-from draftflow.core.errors import ModelFormatError
+from draftflow.layers.gguf_names import LAYER_NAMES
+from draftflow.plugin import ModelFormatError, file_problem, read_json_object
 from draftflow.plugins.dflash.config import DFlashConfig, expected_tensors
 from draftflow.plugins.dflash.model import DFlashModel
-from draftflow.layers.gguf_names import LAYER_NAMES
-from draftflow.core.files import file_problem, read_json_object
 
 GGUF_ARCH = "dflash"
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -79,8 +78,8 @@ def read_config(path: str | os.PathLike[str]) -> DFlashConfig:
     if not p.exists():
         raise ModelFormatError(f"{path}: no such DFlash directory or file; pass a z-lab HF directory or a .gguf file")
     if is_gguf(p):
-        return gguf_config(_open_gguf(p), str(p))
-    return DFlashConfig.from_hf_dict(_read_json(p / "config.json"), str(p / "config.json"))
+        return gguf_config(open_gguf(p), str(p))
+    return DFlashConfig.from_hf_dict(read_config_json(p / "config.json"), str(p / "config.json"))
 
 
 def read_artifact(path: str | os.PathLike[str]) -> Artifact:
@@ -154,7 +153,7 @@ def check_tensors(found: dict[str, tuple[tuple[int, ...], str]], cfg: DFlashConf
 
 # --- Hugging Face --------------------------------------------------------------------------
 def _read_hf(root: Path) -> Artifact:
-    cfg = DFlashConfig.from_hf_dict(_read_json(root / "config.json"), str(root / "config.json"))
+    cfg = DFlashConfig.from_hf_dict(read_config_json(root / "config.json"), str(root / "config.json"))
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ModelFormatError(f"{root}: no *.safetensors file; expected the drafter weights next to config.json; "
@@ -178,21 +177,24 @@ def _read_hf(root: Path) -> Artifact:
     return Artifact(cfg, tensors, str(root), tensors["fc.weight"].dtype)
 
 
-def _read_json(file: Path) -> dict[str, Any]:
+def read_config_json(file: Path) -> dict[str, Any]:
+    """A drafter directory's config.json as a dict (one clear error when missing or not a JSON object)."""
     if not file.exists() and not file.is_symlink():
         raise ModelFormatError(f"{file}: file is missing; expected a z-lab DFlash config.json; point at the drafter directory")
     return read_json_object(file, "a z-lab DFlash config.json object")
 
 
 # --- GGUF ------------------------------------------------------------------------------------
-def _open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFReader:
+    """A GGUF reader on `path` (one clear error on unreadable bytes)."""
     try:
         return GGUFReader(path, "c")
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, ... on bad bytes
         raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); re-convert it") from exc
 
 
-def _value(reader: GGUFReader, key: str) -> Any:
+def gguf_value(reader: GGUFReader, key: str) -> Any:
+    """A metadata value, or None when the key is absent."""
     field = reader.get_field(key)
     return None if field is None else field.contents()
 
@@ -204,13 +206,13 @@ def _f32(value: Any) -> float:
 
 def gguf_config(reader: GGUFReader, source: str) -> DFlashConfig:
     """DFlashConfig from `dflash.*` metadata (llama.cpp keys; target_layers stored as ids + 1)."""
-    arch = _value(reader, "general.architecture")
+    arch = gguf_value(reader, "general.architecture")
     if arch != GGUF_ARCH:
         raise ModelFormatError(f"{source}: general.architecture is {arch!r}; expected 'dflash'; "
                                "this file is not a DFlash drafter")
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
-        value = _value(reader, f"{GGUF_ARCH}.{key}")
+        value = gguf_value(reader, f"{GGUF_ARCH}.{key}")
         if value is None and required:
             raise ModelFormatError(f"{source}: metadata key 'dflash.{key}' is missing; expected it; re-convert the artifact")
         return default if value is None else value
@@ -218,7 +220,7 @@ def gguf_config(reader: GGUFReader, source: str) -> DFlashConfig:
     hidden, heads = int(get("embedding_length", required=True)), int(get("attention.head_count", required=True))
     stored = get("target_layers")
     n_target = get("num_target_layers")
-    mask = _value(reader, "tokenizer.ggml.mask_token_id")
+    mask = gguf_value(reader, "tokenizer.ggml.mask_token_id")
     mask = get("mask_token_id") if mask is None else mask
     pattern = get("attention.sliding_window_pattern")
     window = get("attention.sliding_window")
@@ -259,7 +261,7 @@ def gguf_config(reader: GGUFReader, source: str) -> DFlashConfig:
 
 def _read_gguf(path: Path) -> Artifact:
     source = str(path)
-    reader = _open_gguf(path)
+    reader = open_gguf(path)
     cfg = gguf_config(reader, source)
     found, names, by_hf = {}, {}, {}
     for t in reader.tensors:
@@ -270,13 +272,14 @@ def _read_gguf(path: Path) -> Artifact:
         found[hf] = (tuple(int(d) for d in reversed(t.shape)), GGMLQuantizationType(t.tensor_type).name)
         names[hf], by_hf[hf] = t.name, t
     check_tensors(found, cfg, source, names)
-    tensors = {hf: _tensor(by_hf[hf], found[hf][0], source) for hf in found}
-    file_type = _value(reader, "general.file_type")
+    tensors = {hf: gguf_tensor(by_hf[hf], found[hf][0], source) for hf in found}
+    file_type = gguf_value(reader, "general.file_type")
     file_dtype = {1: torch.float16, 32: torch.bfloat16}.get(file_type, tensors["fc.weight"].dtype)
     return Artifact(cfg, tensors, source, file_dtype)
 
 
-def _tensor(t: Any, shape: tuple[int, ...], source: str) -> torch.Tensor:
+def gguf_tensor(t: Any, shape: tuple[int, ...], source: str) -> torch.Tensor:
+    """A GGUF tensor's data as a CPU tensor of `shape` (HF order; BF16 bytes viewed as bfloat16)."""
     try:
         raw = torch.from_numpy(np.ascontiguousarray(t.data))
     except Exception as exc:  # noqa: BLE001 - a short file gives a short view

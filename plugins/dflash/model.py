@@ -1,12 +1,22 @@
 """The DFlash block drafter: Qwen3 layers whose keys/values see projected target features.
 
-One forward drafts a whole block: the input is the target's embedding of
-`[anchor, MASK x (W-1)]` and every block row attends to the cached *context* (keys and
-values projected from the committed tokens' feature taps) plus the block itself —
-non-causally in full-attention layers, as the drafter was trained. Context K/V are
-computed once per committed token (`add_context`) and kept in a position-addressed
-`KVCache`; the block's own K/V are written past the committed length and dropped by
-the next `crop`, so nothing is ever copied or reallocated.
+A forward drafts a whole block: the input is the target's embedding of
+`[anchor, MASK x (W-1)]` and every block row attends to the *context* (keys and values
+projected from the committed tokens' feature taps) plus the block itself — non-causally
+in full-attention layers, as the drafter was trained. Context K/V are computed once per
+committed token and kept in a position-addressed cache; the block's own K/V are written
+past the committed length and dropped by the next `crop`, so nothing is ever copied.
+
+There is one forward (`DFlashModel.forward`). It ingests the new context rows and runs the
+block in the same pass, and everything that varies from call to call arrives as
+device-side metadata (a `Window`: positions, masks, how many cache cells are attended):
+
+- eager inference (`draft`, the CPU and `cuda_graphs: false` path): positions from ints,
+  attention over exactly the written cache prefix;
+- CUDA graphs (`graphs.DraftRunner`): positions in static device tensors, attention over a
+  fixed prefix (a bucket) with later keys masked, so one capture serves every cycle;
+- training (`tools/train/dflash_recipe.py`): many blocks per sequence, no cache (`kv=None`:
+  keys are the context rows then the block rows), the recipe's context/block mask.
 
 Module names equal the z-lab checkpoint names, so loading is `load_state_dict`.
 The embedding and LM head are not part of the drafter: callers pass the target's.
@@ -14,19 +24,28 @@ The embedding and LM head are not part of the drafter: callers pass the target's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.plugins.dflash.config import DFlashConfig
-from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.attention import attend_prefix
 from draftflow.layers.decoder import MLP
+from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.norm import RMSNorm
-from draftflow.layers.rope import rope_inv_freq
-from draftflow.layers.rope import rotate as _rotate
+from draftflow.layers.rope import rope_inv_freq, rope_tables, rotate
+from draftflow.plugins.dflash.config import DFlashConfig
 
-# `enable_gqa` lets SDPA broadcast KV heads without materialising repeated K/V (torch >= 2.5).
-_NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+class Window(NamedTuple):
+    """Device-side metadata of one forward: where its rows sit and which keys each block row sees."""
+
+    context_pos: torch.Tensor  # [C] int64 positions of the context rows (= their cache cells)
+    block_pos: torch.Tensor  # [W'] or [B, W'] int64 positions of the block rows (cache cells at inference)
+    masks: list  # per draft layer: [..., G*W', S] (bool, or additive float) in attend_prefix's folded row order
+    keys: int  # S: cache cells attended (a bucket under CUDA graphs); training: C + W'
+    width: int  # rows per block; W' = N * width when the window holds N blocks (training)
 
 
 class DFlashAttention(nn.Module):
@@ -44,11 +63,20 @@ class DFlashAttention(nn.Module):
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated, normed keys and values of `x` (context or block rows)."""
-        # x: [1, T, H]; cos, sin: [T, 1, D]; returns k, v: [1, T, KVH, D]
+        # x: [B, T, H]; cos, sin: [T, 1, D] or [B, T, 1, D]; returns k, v: [B, T, KVH, D]
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        return _rotate(k, cos, sin), v
+        return rotate(k, cos, sin), v
+
+    def folded_queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotated, normed queries, each KV head's query group folded into the rows (attend_prefix's layout)."""
+        # x: [B, W, H]; returns [B, KVH, G*W, D] (row g*W + w)
+        b, w, _ = x.shape
+        q = rotate(self.q_norm(self.q_proj(x).view(b, w, self.num_heads, self.head_dim)), cos, sin)
+        g = self.num_heads // self.num_kv_heads
+        q = q.view(b, w, self.num_kv_heads, g, self.head_dim).permute(0, 2, 3, 1, 4)
+        return q.reshape(b, self.num_kv_heads, g * w, self.head_dim)
 
 
 class DFlashLayer(nn.Module):
@@ -60,25 +88,14 @@ class DFlashLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, device)
         # Optional sublayer wrappers (DFlash2's dynamic convolutions): an object with
         # `prepare(u) -> (u', state)` applied to the normed sublayer input and
-        # `finish(y, state) -> y'` applied to the sublayer output before the residual add.
+        # `finish(y, state) -> y'` applied to the sublayer output before the residual add,
+        # both over the rows of one block ([blocks, width, H]).
         self.attention_conv = None
         self.mlp_conv = None
 
-    def finish(self, x: torch.Tensor, attn_out: torch.Tensor, attn_state) -> torch.Tensor:
-        """The rest of the layer after attention: side-1 conv, residual, MLP sublayer (with its convs)."""
-        # x, attn_out: [1, W, H] (attn_out after o_proj); attn_state: the attention conv's kernel or None
-        if self.attention_conv is not None:
-            attn_out = self.attention_conv.finish(attn_out, attn_state)
-        x = x + attn_out
-        u = self.post_attention_layernorm(x)
-        if self.mlp_conv is None:
-            return x + self.mlp(u)
-        u, mlp_state = self.mlp_conv.prepare(u)
-        return x + self.mlp_conv.finish(self.mlp(u), mlp_state)
-
 
 class DFlashModel(nn.Module):
-    """Drafter weights plus the two forwards: `add_context` and `forward` (one block)."""
+    """Drafter weights and the one forward (context ingest + block), with its metadata builders."""
 
     def __init__(self, cfg: DFlashConfig, dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
@@ -96,84 +113,133 @@ class DFlashModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
 
-    def _rope(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # returns cos, sin: [T, 1, D] for absolute positions start .. start+T-1
-        pos = torch.arange(start, start + length, device=self.inv_freq.device)
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def forward(self, features: torch.Tensor, block: torch.Tensor | None, window: Window,
+                kv: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Project the context rows' features into every layer's K/V, then run the block; return normed hidden states.
 
-    def add_context(self, features: torch.Tensor, start: int, cache: KVCache) -> None:
-        """Project committed feature taps at positions [start, start+C) into every layer's K/V."""
-        # features: [1, C, n_taps * H]
-        ctx = self.hidden_norm(self.fc(features))  # [1, C, H]; shared by all layers, never input-normed
-        cos, sin = self._rope(start, ctx.shape[1], ctx.dtype)
-        cache.ensure(start + ctx.shape[1])
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx, cos, sin)
-            cache.write(i, start, k, v)
-        cache.commit(start + ctx.shape[1])
-
-    def forward(self, block: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Run one block whose row 0 (the anchor) sits at position `cache.length`; return normed hidden states.
-
-        The block's K/V are written at [length, length+W) but not committed, so the cache
-        still describes only the context afterwards.
+        With a cache (`kv`), context K/V are written at `window.context_pos` and block K/V at
+        `window.block_pos`, and attention reads the first `window.keys` cells. Without one
+        (training) the keys are the context rows followed by the block rows. `block=None`
+        only ingests the context (a long prompt, in chunks).
         """
-        # block: [1, W, H] (target embeddings of [anchor, MASK...], scaled); returns [1, W, H]
-        cfg = self.config
-        start, width = cache.length, block.shape[1]
-        end = start + width
-        cache.ensure(end)
-        cos, sin = self._rope(start, width, block.dtype)
+        # features: [B, C, n_taps*H]; block: [B, W', H] (target embeddings of [anchor, MASK...], scaled)
+        # kv: [L, 2, B, capacity, KVH, D] or None; returns [B, W', H] or None
+        ctx = self.hidden_norm(self.fc(features))  # [B, C, H]; shared by all layers, never input-normed
+        cos_c, sin_c = self._rope(window.context_pos, ctx.dtype)
         x = block
+        if x is not None:
+            cos_b, sin_b = self._rope(window.block_pos, x.dtype)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h, attn_state = layer.input_layernorm(x), None
-            if layer.attention_conv is not None:
-                h, attn_state = layer.attention_conv.prepare(h)
-            q = attn.q_norm(attn.q_proj(h).view(1, width, attn.num_heads, attn.head_dim))
-            q = _rotate(q, cos, sin)
-            k, v = attn.keys_values(h, cos, sin)
-            cache.write(i, start, k, v)
-            keys, values = cache.read(i, end)  # [1, end, KVH, D]: context then block
-            mask = _mask(start, width, cfg.layer_is_causal(i),
-                         cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None, block.device)
-            out = _attend(q, keys, values, mask, attn.num_heads != attn.num_kv_heads)
-            x = layer.finish(x, attn.o_proj(out.reshape(1, width, -1)), attn_state)
-        return self.norm(x)
+            k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)  # [B, C, KVH, D]
+            if kv is not None:
+                kv[i, 0].index_copy_(1, window.context_pos, k_ctx)
+                kv[i, 1].index_copy_(1, window.context_pos, v_ctx)
+            if x is None:
+                continue
+            h, attn_state = _prepare(layer.attention_conv, layer.input_layernorm(x), window.width)
+            k_blk, v_blk = attn.keys_values(h, cos_b, sin_b)  # [B, W', KVH, D]
+            if kv is None:
+                keys, values = torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1)  # [B, C+W', KVH, D]
+            else:
+                kv[i, 0].index_copy_(1, window.block_pos, k_blk)
+                kv[i, 1].index_copy_(1, window.block_pos, v_blk)
+                keys, values = kv[i, 0, :, :window.keys], kv[i, 1, :, :window.keys]  # [B, S, KVH, D]
+            out = attend_prefix(attn.folded_queries(h, cos_b, sin_b), keys, values, window.masks[i], h.shape[1])
+            x = x + _finish(layer.attention_conv, attn.o_proj(out), attn_state)
+            u, mlp_state = _prepare(layer.mlp_conv, layer.post_attention_layernorm(x), window.width)
+            x = x + _finish(layer.mlp_conv, layer.mlp(u), mlp_state)
+        return None if x is None else self.norm(x)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] or [B, T]; returns cos, sin: [T, 1, D] or [B, T, 1, D]
+        cos, sin = rope_tables(self.inv_freq, positions.reshape(-1), dtype)
+        return cos.view(*positions.shape, 1, cos.shape[-1]), sin.view(*positions.shape, 1, sin.shape[-1])
+
+    def embed_block(self, tokens: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """The block input: the target's embedding of `[anchor, MASK...]` rows, times z-lab's optional scale."""
+        # tokens: [B, W'] int64; embed: [V, H]; returns [B, W', H]
+        x = F.embedding(tokens, embed)
+        scale = self.config.input_embedding_scale
+        return x * scale if scale != 1.0 else x
+
+    def cache_window(self, context_pos: torch.Tensor, block_pos: torch.Tensor, keys: int,
+                     dtype: torch.dtype) -> Window:
+        """Metadata of an inference forward: context and one block in the cache, the first `keys` cells attended.
+
+        A block row sees every cell up to the block's last row (the context and the block),
+        causally and/or within the sliding window per layer; later cells (stale or unused)
+        are masked. Built from device tensors only, so a CUDA graph can capture it.
+        """
+        # context_pos: [C]; block_pos: [W] (consecutive); returns masks of [G*W, keys] additive `dtype`
+        cfg = self.config
+        if block_pos.shape[0] == 0:
+            return Window(context_pos, block_pos, [], keys, 0)
+        key = torch.arange(keys, device=block_pos.device)[None, :]  # [1, S]
+        query = block_pos[:, None]  # [W, 1]
+        written = (key <= block_pos[-1:, None]).expand(block_pos.shape[0], keys)  # [W, S]
+        by_kind, masks = {}, []
+        for i in range(cfg.num_layers):
+            causal = cfg.layer_is_causal(i)
+            span = cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None
+            if (causal, span) not in by_kind:
+                visible = written & (key <= query) if causal else written
+                if span is not None:
+                    visible = visible & (query - key < span)
+                    if not causal:
+                        visible = visible & (key - query < span)
+                by_kind[causal, span] = fold_mask(visible, cfg.num_heads // cfg.num_kv_heads, dtype)
+            masks.append(by_kind[causal, span])
+        return Window(context_pos, block_pos, masks, keys, block_pos.shape[0])
+
+    def draft(self, features: torch.Tensor, start: int, block: torch.Tensor | None, cache: KVCache
+              ) -> torch.Tensor | None:
+        """Eager: ingest `features` at positions [start, start+C), run `block` right after them, commit the context.
+
+        The block's K/V sit past the committed length, so the cache still describes only
+        the context afterwards (the next call's `crop` or writes replace them).
+        """
+        # features: [1, C, n_taps*H]; block: [1, W, H] or None; returns [1, W, H] or None
+        c, w = features.shape[1], 0 if block is None else block.shape[1]
+        end = start + c + w
+        cache.ensure(end)
+        device = features.device
+        window = self.cache_window(torch.arange(start, start + c, device=device),
+                                   torch.arange(start + c, end, device=device), end, features.dtype)
+        hidden = self(features, block, window, cache.buffer)
+        cache.commit(start + c)
+        return hidden
 
 
-def _mask(start: int, width: int, causal: bool, window: int | None, device) -> torch.Tensor | None:
-    """Visibility [W, start+W] for block rows; None = every row sees every key (full, non-causal)."""
-    if not causal and window is None:
-        return None
-    query = torch.arange(start, start + width, device=device)[:, None]  # [W, 1]
-    key = torch.arange(start + width, device=device)[None, :]  # [1, S]
-    visible = torch.ones(width, start + width, dtype=torch.bool, device=device)
-    if causal:
-        visible &= key <= query
-    if window is not None:
-        visible &= query - key < window
-        if not causal:
-            visible &= key - query < window
-    return visible
+def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """A [..., W, S] visibility in attend_prefix's row order (G query heads per KV head): [..., G*W, S].
+
+    `dtype` None keeps it boolean (training: autocast-safe); else an additive mask in `dtype`.
+    """
+    if dtype is not None:
+        visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return torch.cat([visible] * groups, dim=-2) if groups > 1 else visible
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
-    # q: [1, W, NH, D]; keys, values: [1, S, KVH, D]; returns [1, W, NH, D]
-    q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-    if _NATIVE_GQA:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-    else:  # pragma: no cover - old torch only
-        rep = q.shape[1] // keys.shape[1]
-        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask)
-    return out.transpose(1, 2)
+def _prepare(conv, u: torch.Tensor, width: int):
+    """A sublayer wrapper's `prepare` on every block separately (no state crosses blocks); identity without one."""
+    # u: [B, N*W, H]; returns [B, N*W, H] and the wrapper's state (None without a wrapper)
+    if conv is None:
+        return u, None
+    out, state = conv.prepare(u.reshape(-1, width, u.shape[-1]))
+    return out.reshape_as(u), state
+
+
+def _finish(conv, y: torch.Tensor, state) -> torch.Tensor:
+    # y: [B, N*W, H]; state from `_prepare`, per block; returns [B, N*W, H]
+    if conv is None:
+        return y
+    return conv.finish(y.reshape(state.shape[0], state.shape[1], y.shape[-1]), state).reshape_as(y)
 
 
 def draft_logits(hidden: torch.Tensor, head_weight: torch.Tensor, cfg: DFlashConfig) -> torch.Tensor:
     """Target LM head on the draft rows, then z-lab's optional multiplier and softcap (float32)."""
-    # hidden: [1, K, H]; head_weight: [V, H]; returns [1, K, V]
+    # hidden: [B, K, H]; head_weight: [V, H]; returns [B, K, V]
     logits = F.linear(hidden, head_weight).float()
     if cfg.output_multiplier != 1.0:
         logits = logits * cfg.output_multiplier

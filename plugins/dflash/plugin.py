@@ -20,7 +20,6 @@ from draftflow.plugin import (
     KV_TOKENS,
     TARGET_HANDLE,
     BufferSpec,
-    Features,
     Incompatibility,
     Manifest,
     ModelFormatError,
@@ -34,11 +33,12 @@ from draftflow.plugin import (
     hookimpl,
     wrong_target_check,
 )
-from draftflow.plugins.dflash.config import kv_shape, weight_bytes
-from draftflow.plugins.dflash.loader import load_drafter, read_config
-from draftflow.plugins.dflash.model import draft_logits
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.sampling import filter_logits, sample
+from draftflow.plugins.dflash.config import kv_shape, weight_bytes
+from draftflow.plugins.dflash.graphs import DraftRunner
+from draftflow.plugins.dflash.loader import load_drafter, read_config
+from draftflow.plugins.dflash.model import draft_logits
 
 PARAMS = (
     ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),
@@ -108,55 +108,63 @@ class DFlash(Node):
         self.cache.commit(0)
         return {}
 
-    def _ingest(self, features) -> None:
-        """Append committed feature rows the cache does not hold yet; drop anything past them first."""
-        if features is None:
-            return
-        hidden, start = features.hidden, features.start  # [1, C, n_taps * H]
+    def _ingest(self, rows: torch.Tensor, start: int) -> None:
+        """Append committed feature rows (no block) at `start`, in chunks of CONTEXT_CHUNK."""
+        # rows: [1, C, n_taps * H]
+        for i in range(0, rows.shape[1], CONTEXT_CHUNK):
+            self.model.draft(rows[:, i:i + CONTEXT_CHUNK], start + i, None, self.cache)
+
+    def draft_block(self, req, inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Ingest the new feature rows and run one block in one forward; the draft rows' hidden states and
+        logits (None when K = 0)."""
+        # returns hidden: [1, K, H] (final-normed), logits: [1, K, V] float32
+        cfg = self.config
+        k = min(cfg.block_size - 1, req.num_draft)
+        features = inputs.get("features")
+        rows, start = (features.hidden, features.start) if features is not None else (self._no_rows(), self.cache.length)
         if start > self.cache.length:
             raise ModelFormatError(f"node '{self.name}' ({self.KIND}): features start at position {start} but the draft "
                                    f"cache holds {self.cache.length}; wire target.features -> {self.name}.features (carried)")
-        self.cache.crop(start)
-        for i in range(0, hidden.shape[1], CONTEXT_CHUNK):
-            self.model.add_context(hidden[:, i:i + CONTEXT_CHUNK], start + i, self.cache)
-
-    def draft_block(self, req, inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Ingest new features, run one block; the draft rows' hidden states and logits (None when K = 0)."""
-        # returns hidden: [1, K, H] (final-normed), logits: [1, K, V] float32
-        cfg, device = self.config, self.ctx.device
-        k = min(cfg.block_size - 1, req.num_draft)
-        features = inputs.get("features")
-        runner = self._runner() if k > 0 else None
-        if runner is not None and features is not None and features.start + features.hidden.shape[1] == req.position:
-            rows = features.hidden.shape[1]  # [1, C, n*H]; rows beyond the block width go in eagerly but the last
-            if rows > k + 1 or features.start != self.cache.length:
-                self._ingest(Features(features.hidden[:, :-1], features.start))
-                features = Features(features.hidden[:, -1:], req.position - 1)
-            if features.start == self.cache.length:
-                return runner(features.hidden, features.start, req.anchor, k + 1)  # [1, K, H], [1, K, V]
-        self._ingest(features)
-        if k == 0:
-            return None
-        if self.cache.length != req.position:
-            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): draft cache holds {self.cache.length} positions but "
-                                   f"the anchor is at {req.position}; the target must tap {list(cfg.target_layer_ids)}")
-        block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=device)  # [1, K+1]
+        self.cache.crop(start)  # drop anything past the rows (last cycle's block, rejected drafts)
+        if k == 0 or start + rows.shape[1] != req.position:  # nothing to draft, or the rows do not end at the anchor
+            self._ingest(rows, start)
+            if k == 0:
+                return None
+            if self.cache.length != req.position:
+                raise ModelFormatError(f"node '{self.name}' ({self.KIND}): draft cache holds {self.cache.length} positions "
+                                       f"but the anchor is at {req.position}; the target must tap {list(cfg.target_layer_ids)}")
+            rows, start = rows[:, :0], req.position
+        runner = self._runner()
+        if rows.shape[1] > (k + 1 if runner is not None else CONTEXT_CHUNK):  # a long catch-up (the prompt)
+            self._ingest(rows[:, :-1], start)
+            rows, start = rows[:, -1:], req.position - 1
+        if runner is not None and rows.shape[1] > 0:
+            return runner(rows, start, req.anchor, k + 1)  # [1, K, H], [1, K, V]
+        block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, K+1]
         block[0, 0] = req.anchor
-        x = torch.nn.functional.embedding(block, self.embed)  # [1, K+1, H]
-        if cfg.input_embedding_scale != 1.0:
-            x = x * cfg.input_embedding_scale
-        hidden = self.model(x, self.cache)[:, 1:]  # [1, K, H]; block K/V sit past cache.length, dropped by the next crop
+        # The block's K/V sit past cache.length: the next cycle's crop drops them.
+        hidden = self.model.draft(rows, start, self.model.embed_block(block, self.embed), self.cache)[:, 1:]  # [1, K, H]
         return hidden, draft_logits(hidden, self.head, cfg)
+
+    def _no_rows(self) -> torch.Tensor:
+        cfg = self.config
+        return torch.zeros(1, 0, cfg.num_taps * cfg.hidden_size, dtype=self.ctx.dtype, device=self.ctx.device)
 
     def _runner(self):
         """The CUDA-graph proposal path, when enabled and on CUDA (built once, after binding)."""
         if self.runner is None and self.ctx.params.get("cuda_graphs") and torch.device(self.ctx.device).type == "cuda" \
                 and self.ctx.num_draft > 0:
-            from draftflow.plugins.dflash.graphs import DraftRunner
-
             width = min(self.ctx.num_draft, self.config.block_size - 1) + 1
             self.runner = DraftRunner(self.model, self.cache, self.embed, self.head, width)
         return self.runner
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Capture the full-width proposal graphs of the first KV buckets (graphs.WARMUP_BUCKETS), so the first
+        request captures nothing; a no-op on the eager path."""
+        runner = self._runner()
+        if runner is not None:
+            runner.warmup()
 
     @torch.inference_mode()
     def step(self, req, inputs):
@@ -217,3 +225,11 @@ def draftflow_register_nodes(registry):
 def draftflow_add_checks(registry):
     registry.add_check("dflash-taps", check_tap_layers)
     registry.add_check("dflash-target", check_target)
+
+
+@hookimpl
+def draftflow_target_params(plugin, params, target):
+    """A shortcut graph's target taps the layers the drafter was trained on (DFlash and DFlash2 alike)."""
+    if plugin != "dflash" or not params.get("path"):
+        return None
+    return {"tap_layers": list(read_config(params["path"]).target_layer_ids)}

@@ -166,3 +166,11 @@ def draftflow_register_nodes(registry):
 def draftflow_add_checks(registry):
     registry.add_check("mtp-hidden", check_last_layer_tapped)
     registry.add_check("mtp-target", check_target)
+
+
+@hookimpl
+def draftflow_target_params(plugin, params, target):
+    """A shortcut graph's target taps its last layer: the MTP head reads the final (post-norm) hidden state."""
+    if plugin != "mtp" or target is None:
+        return None
+    return {"tap_layers": [target.num_layers - 1]}

@@ -24,10 +24,8 @@ import attrs
 import torch
 from safetensors import safe_open
 
-from draftflow.core.errors import ModelFormatError
-from draftflow.layers.config import TargetConfig, expected_tensors
-from draftflow.core.files import file_problem
-from draftflow.layers.config import read_config
+from draftflow.layers.config import TargetConfig, expected_tensors, read_config
+from draftflow.plugin import ModelFormatError, file_problem
 
 LAYOUTS = ("deepseek-v3", "qwen3-next")
 # Our module name -> checkpoint suffix, per layout (the block is added from the config).

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from draftflow.plugins.dflash2.config import DFlash2Config
+from draftflow.plugins.dflash.dflash2_config import DFlash2Config
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.tools.bench_humaneval import DEMO, demo_configs, main
 from draftflow.tools.dflash_peer import unavailable

@@ -119,8 +119,7 @@ def test_training_forward_matches_the_node_for_one_anchor(target):
     with torch.no_grad():
         trained = block_hidden(drafter, feats, x, torch.tensor([[anchor]]))
         cache = KVCache.from_static(torch.zeros(2, 2, 1, 32, cfg.num_kv_heads, cfg.head_dim))
-        drafter.add_context(feats[:, :anchor], 0, cache)
-        served = drafter(x, cache)
+        served = drafter.draft(feats[:, :anchor], 0, x, cache)
     torch.testing.assert_close(trained, served, rtol=1e-5, atol=1e-5)
 
 

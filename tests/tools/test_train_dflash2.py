@@ -10,8 +10,8 @@ import torch
 from helpers import ROOT
 
 from draftflow.core.errors import DraftflowError
-from draftflow.plugins.dflash2.config import DFlash2Config
-from draftflow.plugins.dflash2.loader import read_artifact
+from draftflow.plugins.dflash.dflash2_config import DFlash2Config
+from draftflow.plugins.dflash.dflash2_loader import read_artifact
 from draftflow.plugins.dflash.loader import load_drafter as load_dflash
 from draftflow.plugins.dflash.model import DFlashModel
 from draftflow.plugins.target.hf_loader import load_hf
@@ -149,8 +149,8 @@ def test_training_forward_matches_the_dflash2_node_for_one_anchor(target):
         trained = block_hidden(drafter, feats, x, anchors).view(1, 2, 4, -1)
         for b, anchor in enumerate(anchors[0].tolist()):
             cache = KVCache.from_static(torch.zeros(2, 2, 1, 32, base.num_kv_heads, base.head_dim))
-            drafter.add_context(feats[:, :anchor], 0, cache)
-            torch.testing.assert_close(trained[:, b], drafter(x[:, 4 * b:4 * b + 4], cache), rtol=1e-5, atol=1e-5)
+            served = drafter.draft(feats[:, :anchor], 0, x[:, 4 * b:4 * b + 4], cache)
+            torch.testing.assert_close(trained[:, b], served, rtol=1e-5, atol=1e-5)
 
 
 def test_selector_loss_injects_the_gold_token_outside_the_top_m(target):

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         init_weights(drafter, seed=a.seed)
         recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, labels, a.seed)
     elif a.recipe == "dflash2":
-        from draftflow.plugins.dflash2.config import DFlash2Config
+        from draftflow.plugins.dflash.dflash2_config import DFlash2Config
         from draftflow.tools.train.dflash2_recipe import DFlash2Recipe, init_backbone_config, new_drafter
 
         base = init_backbone_config(a.init_from, target) if a.init_from else _backbone_config(a, loaded)

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from draftflow.core.errors import DraftflowError
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.loader import read_artifact
-from draftflow.plugins.dflash2.config import CODEBOOKS, DFlash2Config
-from draftflow.plugins.dflash2.loader import is_dflash2
-from draftflow.plugins.dflash2.model import DFlash2Model, walk
+from draftflow.plugins.dflash.dflash2_config import CODEBOOKS, DFlash2Config
+from draftflow.plugins.dflash.dflash2_loader import is_dflash2
+from draftflow.plugins.dflash.dflash2_model import DFlash2Model, walk
 from draftflow.tools.train.dflash_recipe import Blocks, DFlashRecipe
 from draftflow.tools.train.loop import init_weights
 

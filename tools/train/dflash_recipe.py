@@ -9,11 +9,11 @@ tokens (`labels="data"`; on windows the target wrote itself, `train/regenerate.p
 the paper's recipe) or the target's own greedy predictions at each position
 (`labels="target"`, distillation on raw text, exact only for row 1).
 
-The forward reuses the drafter's modules and the same RoPE, norms and projections as the
-inference path in `plugins/dflash/model.py`; `tests/tools/test_train.py` pins that one
-anchor here gives exactly the node's drafts. A layer's optional sublayer wrappers
-(DFlash2's convolutions, `attention_conv` / `mlp_conv`) run on each block's rows alone,
-as at inference, so `dflash2_recipe.py` trains through this same forward.
+The forward is the node's own `DFlashModel.forward` (plugins/dflash/model.py), run without a
+cache and with this recipe's metadata (`training_window`: positions and the context/block
+mask); `tests/tools/test_train.py` pins that one anchor here gives exactly the node's
+drafts. A layer's optional sublayer wrappers (DFlash2's convolutions) run on each block's
+rows alone, as at inference, so `dflash2_recipe.py` trains through this same forward.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from draftflow.plugins.dflash.config import DFlashConfig
-from draftflow.plugins.dflash.model import DFlashModel, draft_logits
 from draftflow.layers.kv_cache import KVCache
-from draftflow.layers.rope import rotate as _rotate
+from draftflow.plugins.dflash.model import DFlashModel, Window, draft_logits, fold_mask
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.loop import WindowKV, estimate_acceptance
 from draftflow.tools.train.output import write_files
@@ -49,69 +48,38 @@ def new_config(target: TargetModel, num_layers: int, block_size: int, tap_layers
         num_target_layers=t.num_layers, vocab_size=t.vocab_size)
 
 
-def block_hidden(drafter: DFlashModel, features: torch.Tensor, block: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """Normed hidden states of every block row, all blocks of a batch in one forward."""
-    # features: [B, S, n_taps*H]; block: [B, N*W, H] embedded rows; anchors: [B, N]; returns [B, N*W, H]
+def training_window(drafter: DFlashModel, anchors: torch.Tensor, seq: int, width: int) -> Window:
+    """The forward's metadata for N blocks per sequence: block b sits at a_b .. a_b+W-1 and sees the context
+    strictly before a_b plus its own rows (causally in causal layers), never another block."""
+    # anchors: [B, N]; keys of the forward: the S context rows, then the N*W block rows
     cfg = drafter.config
-    bsz, seq, _ = features.shape
-    n = anchors.shape[1]
-    width = block.shape[1] // n
-    dev = features.device
-    ctx = drafter.hidden_norm(drafter.fc(features))  # [B, S, H]
+    if "sliding_attention" in cfg.layer_types:
+        raise NotImplementedError("training drafters with sliding-window layers is not supported")
+    bsz, n = anchors.shape
+    dev = anchors.device
     offset = torch.arange(width, device=dev)  # [W]
-    pos = (anchors[:, :, None] + offset).reshape(bsz, n * width)  # [B, N*W]
     ctx_pos = torch.arange(seq, device=dev)  # [S]
-    freqs_ctx = ctx_pos.float()[:, None] * drafter.inv_freq[None, :]
-    emb_ctx = torch.cat((freqs_ctx, freqs_ctx), -1)[:, None, :]  # [S, 1, D]
-    freqs_blk = pos.float()[..., None] * drafter.inv_freq  # [B, N*W, D/2]
-    emb_blk = torch.cat((freqs_blk, freqs_blk), -1)[:, :, None, :]  # [B, N*W, 1, D]
-    dt = block.dtype
-    cos_c, sin_c, cos_b, sin_b = emb_ctx.cos().to(dt), emb_ctx.sin().to(dt), emb_blk.cos().to(dt), emb_blk.sin().to(dt)
-
     row_anchor = anchors.repeat_interleave(width, dim=1)  # [B, N*W]
     row_block = torch.arange(n, device=dev).repeat_interleave(width)  # [N*W]
     row_k = offset.repeat(n)  # [N*W]
     sees_ctx = ctx_pos[None, None, :] < row_anchor[:, :, None]  # [B, N*W, S]
     same = row_block[:, None] == row_block[None, :]  # [N*W, N*W]
-    masks = {}
-    for causal in (False, True):
+    groups = cfg.num_heads // cfg.num_kv_heads
+    by_causal = {}
+    for causal in {cfg.layer_is_causal(i) for i in range(cfg.num_layers)}:
         own = same & (row_k[None, :] <= row_k[:, None]) if causal else same
-        masks[causal] = torch.cat([sees_ctx, own[None].expand(bsz, -1, -1)], dim=-1)[:, None]  # [B, 1, N*W, S+N*W]
-
-    x = block
-    for i, layer in enumerate(drafter.layers):
-        attn = layer.self_attn
-        if cfg.layer_type(i) == "sliding_attention":
-            raise NotImplementedError("training drafters with sliding-window layers is not supported")
-        h, attn_state = _prepare(layer.attention_conv, layer.input_layernorm(x), n, width)
-        q = attn.q_norm(attn.q_proj(h).view(bsz, n * width, attn.num_heads, attn.head_dim))
-        q = _rotate(q, cos_b, sin_b)
-        k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)  # [B, S, KVH, D]
-        k_blk, v_blk = attn.keys_values(h, cos_b, sin_b)  # [B, N*W, KVH, D]
-        keys = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
-        values = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=masks[cfg.layer_is_causal(i)],
-                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
-        x = x + _finish(layer.attention_conv, attn.o_proj(out.transpose(1, 2).reshape(bsz, n * width, -1)), attn_state)
-        u, mlp_state = _prepare(layer.mlp_conv, layer.post_attention_layernorm(x), n, width)
-        x = x + _finish(layer.mlp_conv, layer.mlp(u), mlp_state)
-    return drafter.norm(x)
+        visible = torch.cat([sees_ctx, own[None].expand(bsz, -1, -1)], dim=-1)[:, None]  # [B, 1, N*W, S+N*W]
+        by_causal[causal] = fold_mask(visible, groups, None)
+    masks = [by_causal[cfg.layer_is_causal(i)] for i in range(cfg.num_layers)]
+    block_pos = (anchors[:, :, None] + offset).reshape(bsz, n * width)  # [B, N*W]
+    return Window(ctx_pos, block_pos, masks, seq + n * width, width)
 
 
-def _prepare(conv, u: torch.Tensor, n: int, width: int):
-    """A sublayer wrapper's `prepare` on every block separately (no state crosses blocks); identity without one."""
-    # u: [B, N*W, H]; returns [B, N*W, H] and the wrapper's state (None without a wrapper)
-    if conv is None:
-        return u, None
-    out, state = conv.prepare(u.reshape(u.shape[0] * n, width, u.shape[-1]))
-    return out.reshape_as(u), state
-
-
-def _finish(conv, y: torch.Tensor, state) -> torch.Tensor:
-    # y: [B, N*W, H]; state from `_prepare`, per block; returns [B, N*W, H]
-    if conv is None:
-        return y
-    return conv.finish(y.reshape(state.shape[0], state.shape[1], y.shape[-1]), state).reshape_as(y)
+def block_hidden(drafter: DFlashModel, features: torch.Tensor, block: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Normed hidden states of every block row, all blocks of a batch in one forward (the node's forward, no cache)."""
+    # features: [B, S, n_taps*H]; block: [B, N*W, H] embedded rows; anchors: [B, N]; returns [B, N*W, H]
+    window = training_window(drafter, anchors, features.shape[1], block.shape[1] // anchors.shape[1])
+    return drafter(features, block, window)
 
 
 class Blocks(NamedTuple):
@@ -152,8 +120,7 @@ class DFlashRecipe:
         return torch.stack(picks)  # [B, N]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(tokens, self.target.embed_tokens.weight)
-        return x * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else x
+        return self.module.embed_block(tokens, self.target.embed_tokens.weight)
 
     def forward_blocks(self, tokens: torch.Tensor, first_anchor: torch.Tensor | None = None) -> Blocks:
         """Random anchors (at or after `first_anchor` [B] when given), one drafter forward over all their blocks,
@@ -198,10 +165,9 @@ class DFlashRecipe:
         dt = feats.dtype
         cache = KVCache.from_static(torch.zeros(cfg.num_layers, 2, 1, p + k + 1, cfg.num_kv_heads, cfg.head_dim,
                                                 dtype=dt, device=feats.device))
-        self.module.add_context(feats[:, : p - 1], 0, cache)
         block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=prefix.device)
         block[0, 0] = prefix[0, -1]
-        hidden = self.module(self._embed(block), cache)[:, 1:]  # [1, K, H]
+        hidden = self.module.draft(feats[:, : p - 1], 0, self._embed(block), cache)[:, 1:]  # [1, K, H]
         return hidden, draft_logits(hidden, self.target.head_weight(), cfg)
 
     def propose(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> torch.Tensor:

@@ -50,7 +50,6 @@ def test_draft_logits_match_reference_across_cycles(tmp_path, variant):
                               target_hidden=features, past_key_values=ref_cache, use_cache=True)[:, 1:]
             _crop_to(ref_cache, start)
             want = ref.compute_logits(want_hidden, head)
-        ours.add_context(features, start - ctx_rows, cache)
-        got = draft_logits(ours(block, cache)[:, 1:], head.weight, cfg)
+        got = draft_logits(ours.draft(features, start - ctx_rows, block, cache)[:, 1:], head.weight, cfg)
         assert cache.length == start
         assert_close_to_scale(got, want, tiny_model_bound(DRAFT_KW["num_hidden_layers"]), "draft logits")

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from draftflow.core.errors import ModelFormatError
 from draftflow.plugins.dflash.loader import load_drafter as load_dflash
-from draftflow.plugins.dflash2.config import DFlash2Config, expected_tensors
-from draftflow.plugins.dflash2.loader import load_drafter, read_artifact, read_config
+from draftflow.plugins.dflash.dflash2_config import DFlash2Config, expected_tensors
+from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_artifact, read_config
 from draftflow.tools.convert_dflash import gguf_to_hf, hf_to_gguf, main
 
 

@@ -21,7 +21,7 @@ from draftflow.core.node import SamplingParams
 from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import load_graph
-from draftflow.plugins.dflash2.model import walk
+from draftflow.plugins.dflash.dflash2_model import walk
 from draftflow.verify import filter_logits, rejection_sample
 
 VOCAB, MASK, TOP_K, T = 12, 11, 4, 0.9

@@ -139,7 +139,7 @@ def test_generate_shortcut_builds_a_working_graph(random_pair, registry):
 
 def test_check_reports_selector_fed_by_another_drafter(random_pair, tmp_path, registry):
     """A dflash2-selector whose candidates come from a non-dflash2 node is a [dflash2-source] problem."""
-    from draftflow.plugins.dflash2 import plugin
+    from draftflow.plugins.dflash import dflash2_plugin as plugin
 
     graph = write_graph(tmp_path / "g.yaml", random_pair[0], random_pair[1])
     plan = build_plan(load_graph(graph), registry)

@@ -18,8 +18,8 @@ from draftflow.core.registry import load_registry
 from draftflow.core.spec import load_graph
 from draftflow.plugins.dflash.config import kv_shape
 from draftflow.plugins.dflash.model import draft_logits
-from draftflow.plugins.dflash2.loader import load_drafter
-from draftflow.plugins.dflash2.model import walk
+from draftflow.plugins.dflash.dflash2_loader import load_drafter
+from draftflow.plugins.dflash.dflash2_model import walk
 from draftflow.layers.kv_cache import KVCache
 
 # (new context rows C, block width W) per cycle: prefill-sized context, partial acceptances, a short final block.
@@ -59,8 +59,7 @@ def test_hidden_candidates_and_drafts_match_reference_across_cycles(tmp_path, va
                               target_hidden=features, past_key_values=ref_cache, use_cache=True)[:, 1:]
             _crop_to(ref_cache, start)
             want_drafts, want_ids, _ = ref.propose(want_hidden, anchor, head, 0.0)
-            ours.add_context(features, start - ctx_rows, cache)
-            hidden = ours(block, cache)[:, 1:]
+            hidden = ours.draft(features, start - ctx_rows, block, cache)[:, 1:]
             scores, ids = draft_logits(hidden, head.weight, cfg.base).topk(cfg.selector_top_k, dim=-1)
             drafts, q = walk(ours.candidate_selector, ids, scores, hidden, anchor, 0.0)
         assert_close_to_scale(hidden, want_hidden, tiny_model_bound(4), "drafter hidden states")  # 4 layers

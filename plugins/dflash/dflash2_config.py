@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from draftflow.core.errors import ModelFormatError
+from draftflow.plugin import ModelFormatError
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.config import expected_tensors as backbone_tensors
 

@@ -21,23 +21,34 @@ from __future__ import annotations
 import attrs
 import torch
 
-from draftflow.core.errors import ModelFormatError
-from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import KV_TOKENS, BufferSpec, Incompatibility, Manifest, Port, Vram
-from draftflow.core.node import Node
-from draftflow.core.params import ParamSpec
-from draftflow.core.ports import Candidates, Proposal
-from draftflow.core.problems import Problem
-from draftflow.core.registry import NodeType
+from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.sampling import sample
+from draftflow.plugin import (
+    EMBED_BUFFER,
+    HEAD_BUFFER,
+    KV_TOKENS,
+    TARGET_HANDLE,
+    BufferSpec,
+    Candidates,
+    Incompatibility,
+    Manifest,
+    ModelFormatError,
+    Node,
+    NodeType,
+    ParamSpec,
+    Port,
+    Problem,
+    Proposal,
+    Vram,
+    hookimpl,
+    wrong_target_check,
+)
 from draftflow.plugins.dflash.config import kv_shape
+from draftflow.plugins.dflash.dflash2_config import weight_bytes
+from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
+from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
 from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, tap_layer_check, trained_for
 from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
-from draftflow.plugins.dflash2.config import weight_bytes
-from draftflow.plugins.dflash2.loader import load_drafter, read_config
-from draftflow.plugins.dflash2.model import CandidateSelector, walk
-from draftflow.layers.kv_cache import KVCache
-from draftflow.plugin import EMBED_BUFFER, HEAD_BUFFER, TARGET_HANDLE, wrong_target_check
-from draftflow.verify import sample
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
           DFLASH_PARAMS[1])  # cuda_graphs
@@ -199,3 +210,11 @@ def draftflow_add_checks(registry):
     registry.add_check("dflash2-target", check_target)
     registry.add_check("dflash2-source", check_selector_source)
     registry.add_check("dflash2-unused", check_candidates_used)
+
+
+@hookimpl
+def draftflow_target_params(plugin, params, target):
+    """A shortcut graph's target taps the layers the drafter's backbone was trained on."""
+    if plugin != "dflash2" or not params.get("path"):
+        return None
+    return {"tap_layers": list(read_config(params["path"]).base.target_layer_ids)}

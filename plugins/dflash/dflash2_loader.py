@@ -1,7 +1,7 @@
 """Read DFlash2 artifacts: Hugging Face directories and GGUF files (llama.cpp's `dflash` arch).
 
 The backbone's config, GGUF keys and tensor names are DFlash's (this module reuses the
-dflash loader for them); DFlash2 adds `conv_kernel_size`, `conv_group_size`,
+dflash loader, `loader.py`, for them); DFlash2 adds `conv_kernel_size`, `conv_group_size`,
 `selector_rank`, `selector_top_k` and the tensors in `config.expected_tensors`.
 Codebooks may be stored with or without `.weight` (published checkpoints have none);
 both spellings of one tensor in one artifact are an error. A GGUF is DFlash2 when it
@@ -19,17 +19,22 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from safetensors import safe_open
 
-from draftflow.core.errors import ModelFormatError
+from draftflow.plugin import ModelFormatError, file_problem
 from draftflow.plugins.dflash import loader as dflash_loader
-from draftflow.plugins.dflash.loader import Artifact, check_tensors, gguf_config, is_gguf
-from draftflow.plugins.dflash2.config import CODEBOOKS, EXTRA_KEYS, DFlash2Config, expected_tensors
-from draftflow.plugins.dflash2.model import DFlash2Model
-from draftflow.core.files import file_problem
+from draftflow.plugins.dflash.dflash2_config import CODEBOOKS, EXTRA_KEYS, DFlash2Config, expected_tensors
+from draftflow.plugins.dflash.dflash2_model import DFlash2Model
+from draftflow.plugins.dflash.loader import (
+    GGUF_ARCH,
+    Artifact,
+    check_tensors,
+    gguf_config,
+    gguf_tensor,
+    gguf_value,
+    is_gguf,
+    open_gguf,
+    read_config_json,
+)
 
-# Private helpers of the dflash loader, shared rather than copied (same artifact family).
-_read_json, _open_gguf, _gguf_value, _gguf_tensor = (dflash_loader._read_json, dflash_loader._open_gguf,
-                                                    dflash_loader._value, dflash_loader._tensor)
-GGUF_ARCH = dflash_loader.GGUF_ARCH
 # llama.cpp names of the DFlash2 tensors <-> HF names (codebooks with `.weight`).
 GGUF_SELECTOR = {"selector_predecessor.weight": "candidate_selector.predecessor_codebook.weight",
                  "selector_successor.weight": "candidate_selector.successor_codebook.weight",
@@ -73,17 +78,17 @@ def is_dflash2(path: str | os.PathLike[str]) -> bool:
     if not p.exists():
         return False
     if is_gguf(p):
-        return any(t.name in _MARKERS for t in _open_gguf(p).tensors)
+        return any(t.name in _MARKERS for t in open_gguf(p).tensors)
     file = p / "config.json"
-    return file.exists() and "DFlash2DraftModel" in (_read_json(file).get("architectures") or [])
+    return file.exists() and "DFlash2DraftModel" in (read_config_json(file).get("architectures") or [])
 
 
 def read_config(path: str | os.PathLike[str]) -> DFlash2Config:
     """The config alone (no tensor data), for manifests and checks."""
     p = _existing(path)
     if is_gguf(p):
-        return gguf_config2(_open_gguf(p), str(p))
-    return DFlash2Config.from_hf_dict(_read_json(p / "config.json"), str(p / "config.json"))
+        return gguf_config2(open_gguf(p), str(p))
+    return DFlash2Config.from_hf_dict(read_config_json(p / "config.json"), str(p / "config.json"))
 
 
 def read_artifact(path: str | os.PathLike[str]) -> Artifact:
@@ -112,7 +117,7 @@ def gguf_config2(reader: GGUFReader, source: str) -> DFlash2Config:
             base = attrs.evolve(base, vocab_size=int(book.shape[-1]))
     values = {}
     for key in EXTRA_KEYS:
-        value = _gguf_value(reader, f"{GGUF_ARCH}.{key}")
+        value = gguf_value(reader, f"{GGUF_ARCH}.{key}")
         if value is None:
             raise ModelFormatError(f"{source}: metadata key 'dflash.{key}' is missing; expected it in a DFlash2 GGUF; "
                                    "re-convert the artifact")
@@ -141,7 +146,7 @@ def _add(found: dict, names: dict, hf: str, stored: str, meta, source: str) -> N
 
 
 def _read_hf(root: Path) -> Artifact:
-    cfg = DFlash2Config.from_hf_dict(_read_json(root / "config.json"), str(root / "config.json"))
+    cfg = DFlash2Config.from_hf_dict(read_config_json(root / "config.json"), str(root / "config.json"))
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ModelFormatError(f"{root}: no *.safetensors file; expected the drafter weights next to config.json; "
@@ -167,7 +172,7 @@ def _read_hf(root: Path) -> Artifact:
 
 def _read_gguf(path: Path) -> Artifact:
     source = str(path)
-    reader = _open_gguf(path)
+    reader = open_gguf(path)
     cfg = gguf_config2(reader, source)
     found, names, by_hf = {}, {}, {}
     for t in reader.tensors:
@@ -176,8 +181,8 @@ def _read_gguf(path: Path) -> Artifact:
         _add(found, names, hf, t.name, meta, source)
         by_hf[hf] = t
     check_tensors2(found, cfg, source, names)
-    tensors = {hf: _gguf_tensor(by_hf[hf], found[hf][0], source) for hf in found}
-    file_type = _gguf_value(reader, "general.file_type")
+    tensors = {hf: gguf_tensor(by_hf[hf], found[hf][0], source) for hf in found}
+    file_type = gguf_value(reader, "general.file_type")
     file_dtype = {1: torch.float16, 32: torch.bfloat16}.get(file_type, tensors["fc.weight"].dtype)
     return Artifact(cfg, tensors, source, file_dtype)
 

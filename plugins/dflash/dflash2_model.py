@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers.sampling import sample
+from draftflow.plugins.dflash.dflash2_config import DFlash2Config
 from draftflow.plugins.dflash.model import DFlashModel
-from draftflow.plugins.dflash2.config import DFlash2Config
-from draftflow.verify import sample
 
 
 class GroupedDynamicConv(nn.Module):

@@ -1,1 +1,0 @@
-"""DFlash2 drafter: DFlash backbone + grouped dynamic convolutions, and its candidate selector nodes."""
