@@ -1,8 +1,14 @@
-"""Attention over a fixed cache prefix (a *bucket*), the form every captured forward uses.
+"""Attention over a cache prefix, and the device-side metadata of a forward window.
 
-A window's queries attend to the first `bucket` cache cells with later keys masked, so
-shapes depend only on (window, bucket) and one CUDA graph per pair serves every cycle.
-`attend_prefix` is the SDPA backend (the memory-efficient kernel takes the mask);
+A window of T tokens writes K/V at its positions and attends to the first `keys` cache
+cells, later ones masked. Eager forwards (prefill chunks, CPU, training) know the start
+on the host and read the exact prefix (`keys = start + T`); captured forwards hold the
+start in a device tensor and read a fixed prefix, a *bucket* (`bucket_for`), so shapes
+depend only on (T, bucket) and one CUDA graph per pair serves every cycle. `Window`
+carries both forms; the same layer code runs either way.
+
+Backends: `attend` is SDPA (the plain kernel when no mask is needed, else the
+memory-efficient kernel with the query groups folded into rows, `attend_prefix`);
 `draftflow.layers.triton_kernels.decode_attention` is the split-KV Triton backend.
 """
 
@@ -15,6 +21,8 @@ from torch.nn.attention import SDPBackend
 MIN_BUCKET = 256  # smallest attention prefix; shorter buckets save nothing measurable at batch 1
 # Flash takes no mask; pin the masked kernel so a captured graph does not depend on torch's heuristics.
 BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# `enable_gqa` lets SDPA broadcast KV heads without materialising repeated K/V (torch >= 2.5).
+_NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def bucket_for(end: int, capacity: int, smallest: int = MIN_BUCKET) -> int:
@@ -23,6 +31,79 @@ def bucket_for(end: int, capacity: int, smallest: int = MIN_BUCKET) -> int:
     while size < end:
         size *= 2
     return min(size, capacity)
+
+
+class Window:
+    """Where a window's tokens go and which cache cells they see, as device tensors.
+
+    `positions` [T] and `start` [1] live on the device; `keys` is the attended prefix
+    length; `host_start` is the start when the host knows it (eager forwards: K/V are
+    written by slicing, which a training cache without a buffer also supports), None for a
+    device-held start (K/V written by `index_copy_` at `positions`). `causal`: no mask is
+    needed (an exact prefix from position 0, or one token over an exact prefix).
+    """
+
+    def __init__(self, positions: torch.Tensor, start: torch.Tensor, keys: int, host_start: int | None,
+                 causal: bool) -> None:
+        # positions: [T] int64; start: [1] int64
+        self.positions, self.start, self.keys = positions, start, keys
+        self.host_start, self.causal = host_start, causal
+        self._masks: dict = {}
+
+    @classmethod
+    def at(cls, start_pos: int, t: int, device: torch.device | str, causal: bool | None = None) -> Window:
+        """An eager window at host position `start_pos` over the exact prefix [0, start_pos + t)."""
+        positions = torch.arange(start_pos, start_pos + t, device=device)  # [T]
+        causal = (start_pos == 0 or t == 1) if causal is None else causal
+        return cls(positions, positions[:1], start_pos + t, start_pos, causal)
+
+    @classmethod
+    def bucketed(cls, start: torch.Tensor, t: int, bucket: int) -> Window:
+        """A window at the device-held `start` ([1] int64) over the first `bucket` cache cells (static shapes)."""
+        positions = start + torch.arange(t, device=start.device)  # [T]
+        return cls(positions, start, bucket, None, False)
+
+    def folded_mask(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [G*T, keys]: query row g*T + j sees keys <= positions[j] (stale cells past it get -inf)."""
+        key = (groups, dtype)
+        if key not in self._masks:  # once per forward, shared by every layer
+            visible = torch.arange(self.keys, device=self.positions.device)[None, :] <= self.positions[:, None]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+            self._masks[key] = mask.repeat(groups, 1)
+        return self._masks[key]
+
+    def write(self, cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the window's keys and values in one cache layer at its positions."""
+        # k, v: [B, T, KVH, D]
+        if self.host_start is not None:
+            cache.write(layer, self.host_start, k, v)
+        else:
+            cache.buffer[layer, 0].index_copy_(1, self.positions, k)
+            cache.buffer[layer, 1].index_copy_(1, self.positions, v)
+
+
+def fold(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Queries with each KV head's group folded into rows: [B, T, QH, D] -> [B, KVH, G*T, D], row g*T + j."""
+    b, t, qh, d = q.shape
+    return q.transpose(1, 2).reshape(b, num_kv_heads, qh // num_kv_heads * t, d)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: Window) -> torch.Tensor:
+    """SDPA over a cache prefix: the plain (flash-eligible, causal) kernel when no mask is needed, else the masked one."""
+    # q: [B, KVH, G*T, D] folded; keys, values: [B, S, KVH, D] (cache views) -> [B, T, QH*D]
+    b, kvh, rows, d = q.shape
+    t = window.positions.shape[0]
+    if not window.causal:
+        return attend_prefix(q, keys, values, window.folded_mask(rows // t, q.dtype), t)
+    q = q.view(b, rows // t * kvh, t, d)  # [B, QH, T, D]: head h = kvh*G + g
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    if _NATIVE_GQA:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, enable_gqa=rows // t > 1)
+    else:  # pragma: no cover - old torch only
+        rep = rows // t
+        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+                                             is_causal=t > 1)
+    return out.transpose(1, 2).reshape(b, t, -1)
 
 
 def attend_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, w: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The decoder layer of Qwen3 / Llama / Qwen2 / Qwen3-Next: attention (or Gated DeltaNet), MLP (or MoE), norms.
 
 Module and parameter names equal the HF names, so loading is a rename, not a rewrite.
-Attention reads and writes an external `KVCache` at absolute positions.
+Attention reads and writes an external `KVCache` at absolute positions given by an
+`attention.Window`; the small pieces run with the `fused.Kernels` the caller chose.
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ from torch import nn
 
 from draftflow.layers.config import TargetConfig
 from draftflow.layers.gdn import GatedDeltaNet
-from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.attention import Window, attend, fold
+from draftflow.layers.fused import PLAIN, Kernels, joined
 from draftflow.layers.moe import SparseMoeBlock
 from draftflow.layers.norm import RMSNorm
-from draftflow.layers.rope import rotate
-
-# `enable_gqa` lets SDPA broadcast KV heads without materialising repeated K/V (torch >= 2.5).
-_NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with the options of every supported model: q/k/v and o biases, per-head q/k
+    RMSNorm (with the Qwen3-Next (1 + w) offset), partial rotary, a sigmoid output gate (q_proj emits
+    [query | gate] per head). One forward for eager and captured windows (see attention.Window)."""
+
     def __init__(self, cfg: TargetConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -34,46 +36,63 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.offset, self.eps = cfg.qk_norm, cfg.norm_offset, cfg.rms_norm_eps
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        # The Triton prologue rotates whole heads and scales by w: plain heads, full rotary, no offset.
+        self.prologue_ok = not self.gated and cfg.rotary_dim == d and not cfg.norm_offset and d & (d - 1) == 0
 
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [T, 1, D]
-        sin: torch.Tensor,  # [T, 1, D]
-        cache: KVCache,
+        cos: torch.Tensor,  # [T, 1, R]
+        sin: torch.Tensor,  # [T, 1, R]
+        cache,  # KVCache (or a duck-typed training cache with write/read)
         layer: int,
-        start_pos: int,
-        mask: torch.Tensor | None,  # [T, start_pos+T] bool, or None when is_causal / T == 1 suffices
+        start_pos: int | None = None,
+        mask: torch.Tensor | None = None,  # eager callers: None when causal from 0 / one token; else any mask
+        *,
+        window: Window | None = None,
+        kernels: Kernels = PLAIN,
     ) -> torch.Tensor:
-        # returns: [B, T, H]
+        """Write this window's K/V into `cache` layer `layer` and attend; returns [B, T, H].
+
+        Either `window` (device-side metadata) or a host `start_pos` (then the exact prefix
+        [0, start_pos + T) is read; `mask` None means causal from 0 or a single token).
+        """
         b, t, _ = x.shape
+        if window is None:
+            window = Window.at(start_pos, t, x.device, causal=mask is None)
+        d, qh, kvh = self.head_dim, self.num_heads, self.num_kv_heads
+        q_rows = qh * d * (2 if self.gated else 1)
+        weight = joined([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        has_bias = self.q_proj.bias is not None
+        bias = joined([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if has_bias else None
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        qkv = F.linear(x, weight, bias) if weight is not None and (bias is not None or not has_bias) else None
         gate = None
-        if self.gated:
-            q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        if qkv is not None and kernels.prologue is not None and self.prologue_ok and hasattr(cache, "buffer"):
+            kv = cache.buffer
+            q = kernels.prologue(qkv, cos[:, 0], sin[:, 0], *norms, window.start, kv[layer, 0], kv[layer, 1], qh,
+                                 self.eps)  # [B, KVH, G*T, D], K/V written
         else:
-            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        cache.write(layer, start_pos, k, v)
-        keys, values = cache.read(layer, start_pos + t)  # [B, S, KVH, D]
-        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        # is_causal aligns the mask top-left, which is right only when the window starts at 0.
-        causal = mask is None and t > 1
-        if _NATIVE_GQA:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=causal,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-        else:  # pragma: no cover - old torch only
-            rep = self.num_heads // self.num_kv_heads
-            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
-        out = out.transpose(1, 2).reshape(b, t, -1)
+            if qkv is not None:
+                q, k, v = qkv.split([q_rows, kvh * d, kvh * d], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if self.gated:
+                q, gate = q.view(b, t, qh, 2 * d).chunk(2, dim=-1)  # [B, T, QH, D] each
+            else:
+                q = q.unflatten(-1, (qh, d))  # [B, T, QH, D]
+            k, v = k.unflatten(-1, (kvh, d)), v.unflatten(-1, (kvh, d))  # [B, T, KVH, D]
+            q, k = kernels.qk_rope(q, k, *norms, cos, sin, self.eps, self.offset)
+            window.write(cache, layer, k, v)
+            q = fold(q, kvh)  # [B, KVH, G*T, D]
+        if kernels.split_attention is not None and hasattr(cache, "buffer"):
+            kv = cache.buffer
+            out = kernels.split_attention(q, kv[layer, 0], kv[layer, 1], window.start, t, window.keys)
+        else:
+            keys, values = cache.read(layer, window.keys)  # [B, S, KVH, D]
+            out = attend(q, keys, values, window)  # [B, T, QH*D]
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(out)
@@ -87,9 +106,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, kernels: Kernels = PLAIN) -> torch.Tensor:
+        # x: [B, T, H] -> [B, T, H]
+        gate_up = joined([self.gate_proj.weight, self.up_proj.weight])  # one product after fuse_projections
+        if gate_up is not None:
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from draftflow.layers.config import RopeScaling, TargetConfig, expected_tensors
-from draftflow.core.errors import ModelFormatError
+from draftflow.plugin import ModelFormatError
 from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor

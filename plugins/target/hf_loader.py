@@ -21,9 +21,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from draftflow.core.files import file_problem, read_json_object
-from draftflow.layers.config import TargetConfig, _Getter, expected_tensors, read_config  # noqa: F401 (read_config: re-exported for the target plugin)
-from draftflow.core.errors import ModelFormatError
+from draftflow.plugin import ModelFormatError, file_problem, read_json_object
+from draftflow.layers.config import ConfigFields, TargetConfig, expected_tensors, read_config  # noqa: F401 (read_config: re-exported for the target plugin)
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor, split_fused_experts
 
@@ -93,14 +92,14 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
     model.to(device)  # moves the non-persistent RoPE buffer; weights are already there
 
     gen = _read_json(root / "generation_config.json", required=False)
-    eos = _Getter(gen, str(root / "generation_config.json")).token_ids("eos_token_id") or cfg.eos_token_ids
+    eos = ConfigFields(gen, str(root / "generation_config.json")).token_ids("eos_token_id") or cfg.eos_token_ids
     return LoadedTarget(model, cfg, _read_tokenizer(root / "tokenizer.json"), eos, str(root))
 
 
 def mtp_prefixes(config: dict, cfg: TargetConfig) -> tuple[str, ...]:
     """Tensor-name prefixes of MTP heads the config declares; the `mtp` node loads them, the target skips them."""
     prefixes = []
-    for i in range(_Getter(config, cfg.source).int("num_nextn_predict_layers", 0, minimum=0)):  # DeepSeek-V3: extra layer indices
+    for i in range(ConfigFields(config, cfg.source).int("num_nextn_predict_layers", 0, minimum=0)):  # DeepSeek-V3: extra layer indices
         prefixes.append(f"model.layers.{cfg.num_layers + i}.")
     if config.get("mtp_num_hidden_layers"):  # Qwen3-Next
         prefixes += ["mtp.", "model.mtp."]  # names are canonicalised with a `model.` prefix

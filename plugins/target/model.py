@@ -1,7 +1,8 @@
 """The target model: a qwen3 / llama / qwen2 decoder (or a qwen3_next hybrid) with one forward for every phase.
 
-The same `forward` serves chunked prefill, one-token decode and multi-token verify
-windows: tokens are always written to the cache at absolute positions
+The same `forward` serves chunked prefill, one-token decode, multi-token verify windows
+and training, eagerly or captured as a CUDA graph (graphs.py only holds its static
+buffers): tokens are always written to the cache at absolute positions
 `start_pos .. start_pos+T-1` and attend to cache[:start_pos] plus the causal window.
 Module and parameter names equal the HF names without the `model.` prefix, so loading
 is a rename, not a rewrite. Hybrid stacks put a Gated DeltaNet (`linear_attn`, gdn.py)
@@ -14,13 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers.attention import Window
 from draftflow.layers.config import TargetConfig
 from draftflow.layers.decoder import DecoderLayer
+from draftflow.layers.fused import PLAIN, Kernels
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.linear_state import LinearState
 from draftflow.layers.moe import SparseMoeBlock
 from draftflow.layers.norm import RMSNorm
-from draftflow.layers.rope import rope_inv_freq
+from draftflow.layers.rope import rope_inv_freq, rope_tables
 
 
 class TargetModel(nn.Module):
@@ -78,13 +81,24 @@ class TargetModel(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T] int64
-        start_pos: int,
+        start_pos: int | torch.Tensor,  # host int (eager), or [1] int64 on the device (captured windows)
         cache: KVCache,
         logit_rows: int | torch.Tensor | None = None,  # None | count of last rows | [R] or [B, R] indices
         tap_layers: tuple[int, ...] | None = None,
         linear: LinearState | None = None,
+        *,
+        bucket: int | None = None,
+        kernels: Kernels = PLAIN,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a window; return (logits [B, R, V] float32, taps [B, T, len(taps)*H] or None).
+
+        Eager (`start_pos` an int): the window attends to the exact prefix, shapes follow T,
+        and the host checks the cache and the linear state. Captured (`start_pos` a device
+        tensor): the window attends to the first `bucket` cells with later keys masked, no
+        host int depends on the start and nothing syncs, so the call can be a CUDA graph; the
+        caller checks the start, makes the cells writable and opens the linear-state window
+        (`linear.begin`) first (graphs.GraphRunner). `kernels` picks plain, compiled or
+        Triton pieces (fused.Kernels); the math is the same.
 
         Tap L is the hidden state after decoder layer L, i.e. transformers'
         `hidden_states[L+1]`; like transformers, the last layer's tap is taken after the
@@ -93,57 +107,57 @@ class TargetModel(nn.Module):
         at its committed length, and the caller commits it too (`linear.commit`).
         """
         b, t = tokens.shape
-        if start_pos > cache.length:
-            raise ValueError(
-                f"forward at start_pos={start_pos} but the KV cache holds only {cache.length} committed "
-                "positions; commit the previous window first so attention never reads unwritten cells"
-            )
+        cfg = self.config
         taps = tuple(tap_layers or ())
-        bad = [i for i in taps if not 0 <= i < self.config.num_layers]
+        bad = [i for i in taps if not 0 <= i < cfg.num_layers]
         if bad:
-            raise ValueError(f"tap_layers {bad} are outside [0, {self.config.num_layers}); pick existing layers")
-        cache.ensure(start_pos + t)
-        recorded = False
-        if self.config.is_hybrid:
-            if linear is None:
-                raise ValueError("this hybrid (qwen3_next) model has linear-attention layers; pass linear=LinearState "
-                                 "(LinearState.allocate(cfg, batch, max_window, dtype, device))")
-            recorded = linear.begin(start_pos, t)
+            raise ValueError(f"tap_layers {bad} are outside [0, {cfg.num_layers}); pick existing layers")
+        if cfg.is_hybrid and linear is None:
+            raise ValueError("this hybrid (qwen3_next) model has linear-attention layers; pass linear=LinearState "
+                             "(LinearState.allocate(cfg, batch, max_window, dtype, device))")
+        if isinstance(start_pos, torch.Tensor):
+            if bucket is None:
+                raise ValueError("a device-held start_pos needs the attention bucket (attention.bucket_for)")
+            window = Window.bucketed(start_pos, t, bucket)
+            recorded = True  # windows of at most linear.max_window tokens; the runner checks and opens them
+        else:
+            if start_pos > cache.length:
+                raise ValueError(
+                    f"forward at start_pos={start_pos} but the KV cache holds only {cache.length} committed "
+                    "positions; commit the previous window first so attention never reads unwritten cells"
+                )
+            cache.ensure(start_pos + t)
+            window = Window.at(start_pos, t, tokens.device)
+            recorded = linear.begin(start_pos, t) if cfg.is_hybrid else False
 
-        pos = torch.arange(start_pos, start_pos + t, device=tokens.device)  # [T]
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         x = self.embed_tokens(tokens)  # [B, T, H]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        mask = None
-        if start_pos > 0 and t > 1:
-            keys = torch.arange(start_pos + t, device=tokens.device)  # [S]
-            mask = keys[None, :] <= pos[:, None]  # [T, S]
-
+        cos, sin = rope_tables(self.inv_freq, window.positions, x.dtype)  # [T, 1, R] each
         if self.host_experts is not None and self.expert_cache is None:
             self.set_expert_cache(None)  # nobody sized the cache: keep every expert resident
+        ops, eps, offset = kernels, cfg.rms_norm_eps, cfg.norm_offset
         captured: dict[int, torch.Tensor] = {}
-        last = self.config.num_layers - 1
+        last = cfg.num_layers - 1
+        h = ops.rms(x, self.layers[0].input_layernorm.weight, eps, offset)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
             if layer.is_linear:
-                x = x + layer.linear_attn(h, linear, layer.slot, recorded)
+                delta = layer.linear_attn(h, linear, layer.slot, recorded)
             else:
-                x = x + layer.self_attn(h, cos, sin, cache, layer.slot, start_pos, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in taps and i != last:
-                captured[i] = x
-        if last in taps:
-            captured[last] = self.norm(x)
+                delta = layer.self_attn(h, cos, sin, cache, layer.slot, window=window, kernels=kernels)
+            x, h = ops.add_rms(x, delta, layer.post_attention_layernorm.weight, eps, offset)
+            delta = layer.mlp(h) if isinstance(layer.mlp, SparseMoeBlock) else layer.mlp(h, kernels)
+            norm = self.layers[i + 1].input_layernorm.weight if i < last else self.norm.weight
+            x, h = ops.add_rms(x, delta, norm, eps, offset)  # h: the next layer's input (the final norm at the end)
+            if i in taps:
+                captured[i] = h if i == last else x
         tapped = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
 
         if logit_rows is None:
-            rows = x
+            rows = h
         elif isinstance(logit_rows, int):
-            rows = x[:, t - logit_rows :]
+            rows = h[:, t - logit_rows :]
         elif logit_rows.dim() == 1:
-            rows = x.index_select(1, logit_rows)
+            rows = h.index_select(1, logit_rows)
         else:  # [B, R]: per-sequence rows
-            rows = x.gather(1, logit_rows[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = F.linear(self.norm(rows), self.head_weight()).float()  # [B, R, V]
+            rows = h.gather(1, logit_rows[:, :, None].expand(-1, -1, h.shape[-1]))
+        logits = F.linear(rows, self.head_weight()).float()  # [B, R, V]
         return logits, tapped

@@ -39,6 +39,9 @@ from draftflow.layers.config import TargetConfig, weight_bytes
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 
+# Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
+# covers prompt + max tokens of typical requests; each costs ~TODO ms to capture at Qwen3-8B shapes.
+WARMUP_TOKENS = 2048
 PARAMS = (
     ParamSpec("path", "path", help="Hugging Face model directory or .gguf file"),
     ParamSpec("kv_mode", "str", "static", "static: preallocate the KV cache; grow: allocate in chunks on demand",
@@ -47,8 +50,10 @@ PARAMS = (
     ParamSpec("prefill_chunk", "int", 512, "prompt tokens per prefill forward", minimum=1),
     ParamSpec("grow_chunk", "int", 256, "tokens per allocation in grow mode", minimum=1),
     ParamSpec("cuda_graphs", "bool", True, "on CUDA with kv_mode static, replay decode/verify windows as CUDA graphs "
-              "(one per window size and KV bucket, captured on first use); false: the eager forward; "
-              "hybrid (qwen3_next) targets always run eagerly"),
+              "(one per window size and KV bucket, captured at warm-up or on first use); false: the eager forward; "
+              "MoE targets always run eagerly"),
+    ParamSpec("warmup_tokens", "int", WARMUP_TOKENS, "CUDA graphs: at load, capture the decode and verify windows "
+              "for contexts up to this many tokens (0: capture each on first use)", minimum=0),
     ParamSpec("linear_rollback", "str", "select", "hybrid targets: select = keep the recurrent state after every "
               "window position and pick one on commit; replay = journal the window and re-run the accepted steps",
               choices=("select", "replay")),
@@ -186,14 +191,28 @@ class Target(Node):
             self.model.set_expert_cache(ctx.resident_experts)
         ctx.buffers[EMBED_BUFFER] = self.model.embed_tokens.weight  # declared of_weights buffers: readers are checked
         ctx.buffers[HEAD_BUFFER] = self.model.head_weight()
-        self.runner = None  # static-shape windows as CUDA graphs; prefill always runs eagerly
-        # The graph runner re-implements attention-only layers; hybrid stacks run the eager forward.
-        # MoE stacks too: expert uploads are host decisions made per window, which a CUDA graph cannot capture.
+        self.runner = None  # decode/verify windows as CUDA graphs; prefill always runs eagerly
+        # MoE stacks stay eager: expert uploads are host decisions made per window, which a CUDA graph cannot capture.
         if (p["cuda_graphs"] and p["kv_mode"] == "static" and torch.device(ctx.device).type == "cuda"
-                and not self.config.is_hybrid and not self.config.moe_layers):
+                and not self.config.moe_layers):
             from draftflow.plugins.target.graphs import GraphRunner
 
-            self.runner = GraphRunner(self.model, self.cache, ctx.num_draft + 1, self.taps or ())
+            self.runner = GraphRunner(self.model, self.cache, ctx.num_draft + 1, self.taps or (), linear=self.linear)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Load CUDA libraries and kernels with a short eager window, then capture the decode and verify graphs."""
+        if torch.device(self.ctx.device).type != "cuda" or self.model.expert_cache is not None:
+            return  # MoE: an eager window would move experts and counters before the first request
+        # Never committed: writes cells past the committed length and linear-state candidate slots only
+        # (the next prefill resets the linear state's open window).
+        start = self.cache.length
+        ids = torch.zeros(1, min(16, self.cache.capacity - start), dtype=torch.long, device=self.ctx.device)
+        if ids.shape[1]:
+            self.model(ids, start, self.cache, logit_rows=1, linear=self.linear)
+        if self.runner is not None and self.ctx.params["warmup_tokens"]:
+            self.runner.prepare((1, self.ctx.num_draft + 1), self.ctx.params["warmup_tokens"])
+        torch.cuda.synchronize()
 
     def target_handle(self) -> TargetHandle:
         head = self.model.head_weight()

@@ -1,4 +1,4 @@
-"""The static-shape step behind CUDA graphs computes what the eager forward computes.
+"""The forward with a device-held start over a bucket (what CUDA graphs replay) computes what the eager forward computes.
 
 CPU tests run the step without capture (float32, 1e-5); the `gpu` tests capture real
 graphs (torch.compile included) and run only where CUDA is available.
@@ -17,7 +17,8 @@ from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
 from draftflow.layers.attention import bucket_for
-from draftflow.plugins.target.graphs import GraphRunner, fuse_projections, joined
+from draftflow.layers.fused import fuse_projections, joined
+from draftflow.plugins.target.graphs import GraphRunner
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.layers.kv_cache import KVCache, static_shape
 
@@ -175,7 +176,7 @@ def test_captured_graphs_match_eager_on_cuda(hf_dir, arch, compiled, triton):
     runner = _compare(loaded.model, loaded.config, "cuda", torch.float32,
                       dict(capture=True, compiled=compiled, triton=triton, triton_attention=triton, min_bucket=8),
                       taps=(0, 1), tol=1e-4)
-    assert (runner.step.prep is not None) == triton and (runner.step.attention is not None) == triton
+    assert (runner.kernels.prologue is not None) == triton and (runner.kernels.split_attention is not None) == triton
     assert len({bucket for _, bucket in runner.graphs}) > 1  # windows crossed a bucket boundary
 
 
@@ -189,7 +190,7 @@ def test_split_attention_over_a_long_cache_on_cuda(hf_dir, dtype):
     fp32 = dtype == torch.float32
     runner = _compare(loaded.model, loaded.config, "cuda", dtype, dict(capture=True, min_bucket=64), capacity=512,
                       prompt=prompt, tol=1e-4 if fp32 else 3e-2, rel=not fp32)
-    assert runner.step.attention is not None and {bucket for _, bucket in runner.graphs} == {256}
+    assert runner.kernels.split_attention is not None and {bucket for _, bucket in runner.graphs} == {256}
 
 
 @needs_cuda

@@ -1,0 +1,136 @@
+"""The small pieces of a decoder forward, plain or fused, and the fused weight layout.
+
+At batch 1 a decode step's matrix products are memory-bound GEMVs and everything between
+them is launch-bound. `Kernels` is the choice a forward runs those pieces with:
+
+- ``Kernels()``: plain torch ops (eager prefill, CPU, training under autograd);
+- ``Kernels(compiled=True)``: torch.compile turns residual add + RMSNorm, q/k-norm + RoPE
+  and the SiLU gate into one kernel each;
+- ``prologue=True`` / ``split_attention=True`` (CUDA): the Triton kernels of
+  ``triton_kernels`` do q/k-norm + RoPE + the KV write in one launch and attention split
+  over key blocks.
+
+Every variant rounds where the plain ops round, so float32 results agree to rounding.
+`fuse_projections` lets q/k/v and gate/up run as one product each without copying weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftflow.layers.rope import rotate
+
+
+# --- the elementwise pieces ------------------------------------------------------------------
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """RMSNorm exactly as `norm.RMSNorm`: float32 statistics; (1 + w) in float32 with `offset` (Qwen3-Next)."""
+    # x: [..., dim]; weight: [dim]
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+            offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (x + delta, its RMSNorm)."""
+    # x, delta: [B, T, H]
+    x = x + delta
+    return x, rms(x, weight, eps, offset)
+
+
+def qk_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+            cos: torch.Tensor, sin: torch.Tensor, eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head q/k RMSNorm (when weights are given), then RoPE (partial when cos is narrower than D)."""
+    # q: [B, T, QH, D]; k: [B, T, KVH, D]; cos, sin: [T, 1, R]
+    if q_weight is not None:
+        q, k = rms(q, q_weight, eps, offset), rms(k, k_weight, eps, offset)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # gate, up: [B, T, I]
+    return F.silu(gate) * up
+
+
+def _compile(fn: Callable) -> Callable:
+    options = {}
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        options["emulate_precision_casts"] = True  # round where eager rounds, so bf16 results track the plain ops
+    return torch.compile(fn, fullgraph=True, options=options)
+
+
+class Kernels:
+    """How a forward runs its small pieces: plain, compiled, with the Triton prologue / split-KV attention.
+
+    Chosen once (at model or runner construction), never per call. The compiled pieces
+    compile once per function; the window length becomes a dynamic dimension on its second size.
+    """
+
+    def __init__(self, compiled: bool = False, prologue: bool = False, split_attention: bool = False) -> None:
+        wrap: Callable = _compile if compiled else (lambda f: f)
+        self.compiled = compiled
+        self.rms, self.add_rms, self.qk_rope, self.silu_mul = map(wrap, (rms, add_rms, qk_rope, silu_mul))
+        self.prologue = self.split_attention = None
+        if prologue or split_attention:
+            from draftflow.layers import triton_kernels
+
+            self.prologue = triton_kernels.qk_rope_write if prologue else None
+            self.split_attention = triton_kernels.decode_attention if split_attention else None
+
+
+PLAIN = Kernels()
+
+
+# --- weight layout ---------------------------------------------------------------------------
+def fuse_projections(model: nn.Module) -> None:
+    """Store each attention layer's q/k/v weights (and biases) in one tensor, and each dense MLP's gate/up in another.
+
+    The parameters stay the model's own: each becomes a row-slice view of its group's
+    tensor, so every forward computes exactly what it did and no weight is duplicated
+    (one group's worth is allocated transiently). Linear-attention and MoE layers are left
+    as they are. Idempotent.
+    """
+    for layer in model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+        if attn is not None:
+            _rehome([attn.q_proj, attn.k_proj, attn.v_proj])
+        if hasattr(mlp, "gate_proj"):
+            _rehome([mlp.gate_proj, mlp.up_proj])
+
+
+def joined(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The tensors as one `[sum of rows, ...]` view if they lie back to back in one storage, else None."""
+    first = tensors[0]
+    if first is None:
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None  # a view of the first tensor would route every gradient to it alone
+    offset = first.storage_offset()
+    for t in tensors:
+        adjacent = (t is not None and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                    and t.storage_offset() == offset)
+        if not (adjacent and t.is_contiguous() and t.shape[1:] == first.shape[1:]):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def _rehome(linears: list[nn.Linear]) -> None:
+    for attr in ("weight", "bias"):
+        parts = [getattr(lin, attr) for lin in linears]
+        if parts[0] is None or joined(parts) is not None:
+            continue
+        group = torch.cat([p.detach() for p in parts])
+        row = 0
+        for lin, p in zip(linears, parts):
+            setattr(lin, attr, nn.Parameter(group[row:row + p.shape[0]], requires_grad=False))
+            row += p.shape[0]
