@@ -72,6 +72,7 @@ def draftflow_request_event(event):
     """Receive one ``request_done`` event when a request finishes (a trace sink).
 
     :param event: a dict with request_id, tokens, cycles, tau, acceptance_rate,
-        per_position_acceptance, tokens_per_s, ttft_s, finish_reason. Read-only.
+        per_position_acceptance, tokens_per_s, ttft_s, prefill_ms, load_s, warmup_s,
+        finish_reason (stop, length or cancelled). Read-only.
     :return: ignored. All implementations are called.
     """
