@@ -235,9 +235,16 @@ def cmd_generate(args) -> int:
         overrides.append(f"dtype={args.dtype}")
     if graph_path is not None and args.target:
         overrides.append(f"nodes.target.path={args.target}")
-    shortcut = shortcut_graph(args) if graph_path is None else None
+    shortcut = registry = None
+    if graph_path is None:
+        if any([args.dflash, args.dflash2, args.mtp is not None, args.lookup]):
+            # Their plugins say what they need of the target; the session reuses this registry.
+            from draftflow.core.registry import load_registry
+
+            registry = load_registry()
+        shortcut = shortcut_graph(args, registry)
     session = Session.open(graph_path=graph_path, graph_dict=shortcut, overrides=overrides, trace=args.trace,
-                           threads=args.threads)
+                           registry=registry, threads=args.threads)
     try:
         if prompt_ids is None:
             prompt_ids = session.encode(text)

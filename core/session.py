@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftflow.core.errors import DraftflowError, RequestError, SpecError
+from draftflow.core.errors import DraftflowError, PluginError, RequestError, SpecError
 from draftflow.core.node import SamplingParams
 from draftflow.core.spec import GraphSpec, apply_overrides, load_graph
 from draftflow.core.yamlio import Located
@@ -59,12 +59,14 @@ def check_threads(threads: int | None) -> None:
         raise DraftflowError(f"--threads {threads}: it must be at least 1 (leave it out for the default)")
 
 
-def shortcut_graph(args) -> dict:
+def shortcut_graph(args, registry: Registry | None = None) -> dict:
     """The graph that `generate --target ... [--lookup] [--mtp] [--dflash ...]` stands for, as a YAML-shaped dict.
 
     Several drafters are combined by a `mixer` node in order of preference: prompt lookup
     (free when it matches), then DFlash2, DFlash, MTP. Paths are used as given: the CLI has
-    made them absolute (relative to the working directory).
+    made them absolute (relative to the working directory). What a drafter needs of the
+    target (DFlash: its trained tap layers; MTP: the last layer) is asked of the plugins
+    through ``draftflow_target_params``; core knows no plugin.
     """
     target = {"plugin": "target", "params": {"path": args.target}}
     nodes = {"target": target}
@@ -79,24 +81,13 @@ def shortcut_graph(args) -> dict:
         drafters.append(("dflash", {"plugin": "dflash", "params": {"path": args.dflash}}))
     if args.mtp is not None:
         drafters.append(("mtp", {"plugin": "mtp", "params": {"path": args.mtp or args.target}}))
-        # The MTP head reads the target's final hidden state: tap the last layer.
-        from draftflow.plugins.target.plugin import read_any_config
-
-        try:
-            target["params"]["tap_layers"] = [read_any_config(args.target).num_layers - 1]
-        except DraftflowError:
-            pass  # the target node reports the unreadable path itself
-    if args.dflash or args.dflash2:
-        # DFlash drafters condition on the target's hidden states at their trained tap layers.
-        from draftflow.plugins.dflash.loader import read_config as read_dflash_config
-
-        try:
-            taps = list(read_dflash_config(args.dflash or args.dflash2).target_layer_ids)
-            taps += [t for t in target["params"].get("tap_layers", []) if t not in taps]  # MTP's last layer
-            target["params"]["tap_layers"] = taps
-        except DraftflowError:
-            pass  # the drafter node reports the unreadable artifact itself
     nodes.update(drafters)
+    if len(nodes) > 1:
+        if registry is None:
+            from draftflow.core.registry import load_registry
+
+            registry = load_registry()
+        _merge_target_params(target["params"], [n for name, n in nodes.items() if name != "target"], registry)
     nodes["verify"] = {"plugin": "verifier", "params": {}}
     graph = {"name": "generate", "nodes": nodes, "edges": []}
     if len(drafters) > 1:
@@ -105,6 +96,54 @@ def shortcut_graph(args) -> dict:
         graph["edges"] = [f"{name}.proposal -> mix.{port}" for (name, _), port in zip(drafters, ports)]
         graph["edges"] += ["mix.proposal -> target.proposal", "mix.proposal -> verify.proposal"]
     return graph
+
+
+def _merge_target_params(params: dict, nodes: list[dict], registry: Registry) -> None:
+    """Ask every plugin what each node needs of the target; lists are unioned in order, the first scalar wins.
+
+    A target or drafter whose files cannot be read gets no answer: its own node reports that in `check`.
+    """
+    from draftflow.core.params import validate_params
+
+    info = None
+    node_type = registry.node_types.get("target")
+    if node_type is not None and node_type.target_info is not None:
+        full, issues = validate_params(node_type.params, params, Path.cwd())
+        if not issues:
+            try:
+                info = node_type.target_info(full)
+            except (DraftflowError, OSError):
+                info = None
+    for node in nodes:
+        try:
+            answers = registry.pm.hook.draftflow_target_params(plugin=node["plugin"], params=dict(node["params"]), target=info)
+        except (DraftflowError, OSError):
+            continue
+        except Exception as exc:  # a plugin's bug: name the hook, not a traceback
+            raise PluginError(f"a plugin failed in draftflow_target_params for a {node['plugin']!r} node: "
+                              f"{type(exc).__name__}: {exc}; report it to the plugin's author") from exc
+        answers = [a for a in answers if a] or _legacy_answer(node, info)  # TRANSITION: until dflash/mtp implement the hook
+        for answer in answers:
+            for key, value in (answer or {}).items():
+                if isinstance(value, (list, tuple)):
+                    have = list(params.get(key) or [])
+                    params[key] = have + [v for v in value if v not in have]
+                else:
+                    params.setdefault(key, value)
+
+
+def _legacy_answer(node: dict, info) -> list[dict]:
+    """TRANSITION (issue 17): the taps core used to compute itself, until the dflash and mtp plugins answer the hook."""
+    try:
+        if node["plugin"] == "mtp" and info is not None:
+            return [{"tap_layers": [info.num_layers - 1]}]
+        if node["plugin"] in ("dflash", "dflash2"):
+            from draftflow.plugins.dflash.loader import read_config
+
+            return [{"tap_layers": list(read_config(node["params"]["path"]).target_layer_ids)}]
+    except (DraftflowError, OSError, ImportError):
+        pass
+    return []
 
 
 class Session:

@@ -49,7 +49,7 @@ def test_shipped_graphs_pass_check():
 def test_every_check_rule_is_documented():
     """Each rule name the engine can report appears in docs/GRAPHS.md's table."""
     doc = (ROOT / "docs" / "GRAPHS.md").read_text()
-    source = "".join((ROOT / "core" / f).read_text() for f in ("plan.py", "builtin_checks.py"))
+    source = "".join((ROOT / "core" / f).read_text() for f in ("plan.py", "builtin_checks.py", "plugin_rules.py"))
     rules = set(re.findall(r'"(?:rule|)([a-z]+(?:-[a-z]+)*)"', "")) | set(re.findall(r'problem\([^,]+, "([a-z-]+)"', source)) \
         | set(re.findall(r'Problem\([^,]+, "([a-z-]+)"', source)) | set(re.findall(r'_p\(plan, \w+, "([a-z-]+)"', source))
     rules |= {"vram"}

@@ -109,6 +109,32 @@ def _cfg_case(id, message, **changes):
                 lines=2)
 
 
+
+# --- plugins that break the contract (issue 17, bad input) ------------------------------------------------
+LEAKY_PLUGIN = """\
+import torch
+from draftflow.core.node import Node
+from draftflow.plugin import Manifest, NodeType, Port, Proposal, hookimpl
+
+
+class Leaky(Node):
+    def step(self, req, inputs):
+        return {"proposal": Proposal(torch.full((1, req.num_draft), req.anchor, dtype=torch.long))}
+
+
+@hookimpl
+def draftflow_register_nodes(registry):
+    registry.add_node_type(NodeType(name="leaky", role="drafter", factory=Leaky,
+                                    manifest=lambda params, env: Manifest(role="drafter", outputs=(Port("proposal", "proposal"),))))
+"""
+TOY_DRAFTER = "nodes:\n{target}  d: {{plugin: toy-drafter, params: {params}}}\n  verify: {{plugin: verifier}}\n"
+TOY_TARGET = "  target: {plugin: toy-target}\n"
+
+
+def _toy_graph(params: str, target: str = TOY_TARGET) -> dict:
+    return {"g.yaml": TOY_DRAFTER.format(target=target, params=params)}
+
+
 CASES = [
     # --- a report of many problems is capped ------------------------------------------------------------
     Case("check-many-bad-edges-capped", ["check", "{tmp}/edges.yaml"], r"^error: 2000 problems in .*edges\.yaml:\n",
@@ -276,4 +302,27 @@ CASES = [
     Case("check-mtp-weights-directory", ["check", "{tmp}/g.yaml"], r"mtp\.safetensors: cannot be read: a directory",
          files={"g.yaml": _graph(str(DEMO / "target"), (3,), ("mtp", "mtp"))}, setup=_replace("mtp", "mtp.safetensors", "dir"),
          lines=2),
+
+    # --- plugins that break the contract: one line naming the node and the fix --------------------------
+    # The plugin module lies in {tmp}, the working directory, which `python -m draftflow` puts on sys.path.
+    Case("check-plugin-imports-private-module", ["check", "{tmp}/g.yaml"],
+         r"node 'd' \(leaky\) \[plugin-import\]: plugin 'leaky_plugin' imports draftflow\.core\.node \(leaky_plugin\.py:2\), "
+         r"private to draftflow .*; fix: import what a plugin needs from draftflow\.plugin",
+         files={"leaky_plugin.py": LEAKY_PLUGIN, "g.yaml": "nodes:\n  target: {plugin: toy-target}\n  d: {plugin: leaky}\n"
+                "  verify: {plugin: verifier}\n"},
+         toy=True, env={"DRAFTFLOW_PLUGINS": "toy_plugins,leaky_plugin"}, lines=2),
+    Case("check-needs-target-handle-no-target", ["check", "{tmp}/g.yaml"],
+         r"node 'd' \(toy-drafter\) \[capability\]: needs the target's interface \('target\.handle'.*\), which only a target "
+         r"node provides, and the graph has no target node; fix: add a target node, e.g\. `target: \{plugin: target",
+         files=_toy_graph("{requires: [target.handle]}", target=""), toy=True, lines=None),
+    Case("check-needs-target-handle-target-lacks-it", ["check", "{tmp}/g.yaml"],
+         r"node 'd' \(toy-drafter\) \[capability\]: needs the target's interface \('target\.handle'.*\), which target 'target' "
+         r"\(toy-target\) does not provide; fix: use a target plugin that provides 'target\.handle'",
+         files=_toy_graph("{requires: [target.handle]}"), toy=True, lines=2),
+    Case("check-reads-unowned-buffer", ["check", "{tmp}/g.yaml"],
+         r"node 'd' \(toy-drafter\) \[buffer-missing\]: reads buffer 'draft_cache', which no node owns; fix: add the node",
+         files=_toy_graph("{reads: [draft_cache]}"), toy=True, lines=2),
+    Case("check-writes-buffer-of-another-node", ["check", "{tmp}/g.yaml"],
+         r"node 'd' \(toy-drafter\) \[buffer-write\]: writes buffer 'toy_kv', which is owned by 'target'; fix: only the owner",
+         files=_toy_graph("{writes: [toy_kv]}"), toy=True, lines=2),
 ]
