@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_target.py --out DIR            # run everything, save DIR/results.json, print the tables
     python benchmarks/gpu_target.py --report DIR/results.json   # print the tables again
+    python benchmarks/gpu_target.py --quick --out DIR    # open + warm-up cost, first request, steady decode only
 
 The weights are drawn on the GPU (no checkpoint is written). The floor is the bytes one
 decode step must read (every weight but the embedding table) over the device-to-device
@@ -184,6 +185,33 @@ def run_session(session, prompt, new: int, repeats: int) -> dict:
     return {"tok_s_e2e": statistics.median(e2e), "tok_s_decode": statistics.median(decode), "tokens": tokens}
 
 
+def cold_start(model, cfg, shapes, a) -> dict:
+    """The target node as a user gets it: open (warm-up included), the first request, then steady decoding."""
+    from draftflow.core.node import SamplingParams
+
+    cfg_dir = Path(tempfile.mkdtemp())
+    (cfg_dir / "config.json").write_text(json.dumps(shapes))
+    prompt = torch.randint(0, cfg.vocab_size, (a.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    t = time.perf_counter()
+    session = open_session(model, cfg, cfg_dir, True, max_context=4096)
+    out = {"open_s": time.perf_counter() - t, "warmup_s": getattr(session.executor, "warmup_s", None)}
+    runner = session.executor.nodes["target"].runner
+    captures = getattr(runner, "capture_s", {})
+    out["graphs_at_warmup"] = len(runner.graphs) if runner is not None else 0
+    out["capture_s"] = {f"W={w} bucket={b}": s for (w, b), s in captures.items()}
+    sync()
+    t = time.perf_counter()
+    first = session.generate(prompt, SamplingParams(max_new_tokens=a.new, ignore_eos=True))
+    sync()
+    total = time.perf_counter() - t
+    out["first_request"] = {"wall_s": total, "ttft_s": first.stats["ttft_s"], "tok_s_e2e": len(first.token_ids) / total,
+                            "tok_s_decode": (len(first.token_ids) - 1) / (total - first.stats["ttft_s"]),
+                            "graphs_captured_inside": len(runner.graphs) - out["graphs_at_warmup"] if runner else None}
+    out["steady"] = run_session(session, prompt, a.new, a.repeats)
+    out["steady"].pop("tokens")
+    return out
+
+
 def teacher_forced(model, cfg, runner_cls, seq: list[int], prompt_len: int, steps: int) -> dict:
     """Feed the same tokens one at a time to the eager forward and to captured graphs; compare logits."""
     from draftflow.layers.kv_cache import KVCache, static_shape
@@ -310,6 +338,10 @@ def run(a) -> None:
     r.save("floor", {"copy_TBps": bw, "weight_bytes_read": read_bytes, "floor_ms": read_bytes / (bw * 1e12) * 1e3})
     model = build_model(cfg, seed=0)
     r.save("model", {"params": sum(p.numel() for p in model.parameters()), "checksum": checksum(model)})
+    if a.quick:
+        guarded(r, "cold_start", lambda: cold_start(model, cfg, shapes, a))
+        r.save("elapsed_s", time.monotonic() - t0)
+        return
 
     # Raw step times: eager forward, then graph variants (the last is the node's default).
     start = 160
@@ -489,12 +521,17 @@ def main() -> None:
     p.add_argument("--hf-new", type=int, default=32, help="tokens per transformers run without compile (slow)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks this script, measures nothing")
+    p.add_argument("--quick", action="store_true", help="only the node as a user gets it: open + warm-up cost, "
+                   "the first request, steady decode (the issue-17 gates)")
     p.add_argument("--deadline-s", type=float, default=330, help="skip transformers + compile if this much time has gone")
     a = p.parse_args()
     if a.report:
         report(Path(a.report))
         return
     run(a)
+    if a.quick:
+        print(json.dumps(json.loads((Path(a.out) / "results.json").read_text()).get("cold_start"), indent=1))
+        return
     report(Path(a.out) / "results.json")
 
 

@@ -17,6 +17,7 @@ on CUDA. Numbers and the profile are in docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -61,6 +62,7 @@ class GraphRunner:
         self.tokens = torch.zeros(batch, max_window, dtype=torch.long, device=device)  # [B, Wmax]
         self.start = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.capture_s: dict[tuple[int, int], float] = {}  # seconds per graph captured by `prepare`
         self.graphs = GraphCache(self._run, capture, device)
 
     def __call__(self, anchor: int, drafts: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,7 +108,10 @@ class GraphRunner:
             self.tokens.zero_()
             self.start.fill_(self.cache.length)
             for key in keys:
+                began = time.perf_counter()
                 self.graphs.prepare(*key)
+                torch.cuda.synchronize()
+                self.capture_s[key] = time.perf_counter() - began  # the first key of a width includes compiling
         return keys
 
     def _run(self, w: int, bucket: int) -> None:
