@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import types
 
-import toy_plugins
 from helpers import ROOT
 
 from draftflow.core.executor import Executor
@@ -20,15 +19,30 @@ def python_blocks(path):
 
 
 def test_plugins_md_example_registers_and_runs():
-    """The node-type example in docs/PLUGINS.md registers through the hook and drafts in a graph."""
+    """The complete drafter in docs/PLUGINS.md registers through the hook and drafts losslessly in a graph."""
     module = types.ModuleType("doc_example")
     exec(python_blocks(ROOT / "docs" / "PLUGINS.md")[0], module.__dict__)
-    registry = load_registry(autoload=False, extra_plugins=(("doc_example", module), ("toy", toy_plugins)))
-    spec = graph_from_text("num_draft: 3\nnodes: {target: {plugin: toy-target}, d: {plugin: repeat-anchor}, verify: {plugin: verifier}}")
-    plan = build_plan(spec, registry)
-    assert plan.problems == []
-    result = Executor(plan).generate([1, 2], SamplingParams(max_new_tokens=6))
-    assert list(result.token_ids) == toy_plugins.reference([1, 2], 6, 32) and result.stats["drafted"] > 0
+    registry = load_registry(autoload=False, extra_plugins=(("doc_example", module),))
+    target = ROOT / "graphs" / "models" / "demo" / "target"
+    graphs = {k: f"num_draft: 3\nnodes: {{target: {{plugin: target, params: {{path: {target}}}}}, {d}verify: {{plugin: verifier}}}}"
+              for k, d in (("ngram", "d: {plugin: ngram}, "), ("alone", ""))}
+    results = {}
+    for name, text in graphs.items():
+        plan = build_plan(graph_from_text(text), registry)
+        assert plan.problems == [], [p.render() for p in plan.problems]
+        results[name] = Executor(plan).generate([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_new_tokens=24))
+    assert results["ngram"].token_ids == results["alone"].token_ids and results["ngram"].stats["accepted"] > 0
+
+
+def test_plugin_api_table_lists_every_public_name():
+    """The grouped table of draftflow.plugin in PLUGINS.md names exactly its __all__."""
+    import draftflow.plugin
+
+    doc = (ROOT / "docs" / "PLUGINS.md").read_text()
+    section = doc.split("## `draftflow.plugin`", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in section.splitlines() if line.startswith("| ") and not line.startswith("| group")]
+    listed = [name for row in rows for name in re.findall(r"`([A-Za-z_]+)`", row)]
+    assert sorted(listed) == sorted(draftflow.plugin.__all__), set(listed) ^ set(draftflow.plugin.__all__)
 
 
 def test_shipped_graphs_pass_check():
