@@ -122,28 +122,16 @@ def _merge_target_params(params: dict, nodes: list[dict], registry: Registry) ->
         except Exception as exc:  # a plugin's bug: name the hook, not a traceback
             raise PluginError(f"a plugin failed in draftflow_target_params for a {node['plugin']!r} node: "
                               f"{type(exc).__name__}: {exc}; report it to the plugin's author") from exc
-        answers = [a for a in answers if a] or _legacy_answer(node, info)  # TRANSITION: until dflash/mtp implement the hook
-        for answer in answers:
-            for key, value in (answer or {}).items():
+        for answer in filter(None, answers):
+            if not isinstance(answer, dict):
+                raise PluginError(f"a plugin answered draftflow_target_params for a {node['plugin']!r} node with "
+                                  f"{type(answer).__name__}, not a dict; report it to the plugin's author")
+            for key, value in answer.items():
                 if isinstance(value, (list, tuple)):
                     have = list(params.get(key) or [])
                     params[key] = have + [v for v in value if v not in have]
                 else:
                     params.setdefault(key, value)
-
-
-def _legacy_answer(node: dict, info) -> list[dict]:
-    """TRANSITION (issue 17): the taps core used to compute itself, until the dflash and mtp plugins answer the hook."""
-    try:
-        if node["plugin"] == "mtp" and info is not None:
-            return [{"tap_layers": [info.num_layers - 1]}]
-        if node["plugin"] in ("dflash", "dflash2"):
-            from draftflow.plugins.dflash.loader import read_config
-
-            return [{"tap_layers": list(read_config(node["params"]["path"]).target_layer_ids)}]
-    except (DraftflowError, OSError, ImportError):
-        pass
-    return []
 
 
 class Session:
