@@ -123,7 +123,7 @@ def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, see
         kv.commit(prompt - 1)
         if drafter is not None:
             dkv.crop(0)
-            drafter.add_context(feats, 0, dkv)
+            drafter.draft(feats, 0, None, dkv)
         anchor, pos, done, cycles, accepted = ids[:, -1:], prompt - 1, 0, 0, 0
         sync(device)
         before, start = cache.counters(), time.perf_counter()
@@ -132,7 +132,7 @@ def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, see
             if drafter is not None:
                 block = torch.full((1, dcfg.block_size), dcfg.mask_token_id, dtype=torch.long, device=device)
                 block[:, :1] = anchor
-                hidden = drafter(torch.nn.functional.embedding(block, embed), dkv)[:, 1:]  # [1, K, H]
+                hidden = drafter.draft(feats[:, :0], pos, drafter.embed_block(block, embed), dkv)[:, 1:]  # [1, K, H]
                 window = torch.cat([anchor, draft_logits(hidden, head, dcfg).argmax(-1)], dim=1)  # [1, K+1]
             logits, feats = model(window, pos, kv, tap_layers=taps)  # [1, W, V]
             best = logits[0].argmax(-1)  # [W]
@@ -142,7 +142,7 @@ def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, see
             kv.commit(pos + acc + 1)
             if drafter is not None:
                 dkv.crop(pos)
-                drafter.add_context(feats[:, :acc + 1], pos, dkv)
+                drafter.draft(feats[:, :acc + 1], pos, None, dkv)
             anchor = torch.tensor([[stream[done + acc + 1]]], device=device)
             pos, done, cycles, accepted = pos + acc + 1, done + acc + 1, cycles + 1, accepted + acc
         sync(device)

@@ -43,7 +43,7 @@ class Window(NamedTuple):
 
     context_pos: torch.Tensor  # [C] int64 positions of the context rows (= their cache cells)
     block_pos: torch.Tensor  # [W'] or [B, W'] int64 positions of the block rows (cache cells at inference)
-    masks: list  # per draft layer: [..., G*W', S] (bool, or additive float) in attend_prefix's folded row order
+    masks: list  # per draft layer: [..., G*W', S] (bool, or additive float) in attend_prefix's folded row order; None: all
     keys: int  # S: cache cells attended (a bucket under CUDA graphs); training: C + W'
     width: int  # rows per block; W' = N * width when the window holds N blocks (training)
 
@@ -164,12 +164,14 @@ class DFlashModel(nn.Module):
         return x * scale if scale != 1.0 else x
 
     def cache_window(self, context_pos: torch.Tensor, block_pos: torch.Tensor, keys: int,
-                     dtype: torch.dtype) -> Window:
+                     dtype: torch.dtype, exact: bool = False) -> Window:
         """Metadata of an inference forward: context and one block in the cache, the first `keys` cells attended.
 
         A block row sees every cell up to the block's last row (the context and the block),
         causally and/or within the sliding window per layer; later cells (stale or unused)
-        are masked. Built from device tensors only, so a CUDA graph can capture it.
+        are masked. Built from device tensors only, so a CUDA graph can capture it. `exact`
+        (eager): the keys end at the block's last row, so a full, non-causal layer needs no
+        mask at all and SDPA may pick its mask-free kernels.
         """
         # context_pos: [C]; block_pos: [W] (consecutive); returns masks of [G*W, keys] additive `dtype`
         cfg = self.config
@@ -182,6 +184,8 @@ class DFlashModel(nn.Module):
         for i in range(cfg.num_layers):
             causal = cfg.layer_is_causal(i)
             span = cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None
+            if (causal, span) not in by_kind and exact and not causal and span is None:
+                by_kind[causal, span] = None
             if (causal, span) not in by_kind:
                 visible = written & (key <= query) if causal else written
                 if span is not None:
@@ -205,7 +209,7 @@ class DFlashModel(nn.Module):
         cache.ensure(end)
         device = features.device
         window = self.cache_window(torch.arange(start, start + c, device=device),
-                                   torch.arange(start + c, end, device=device), end, features.dtype)
+                                   torch.arange(start + c, end, device=device), end, features.dtype, exact=True)
         hidden = self(features, block, window, cache.buffer)
         cache.commit(start + c)
         return hidden

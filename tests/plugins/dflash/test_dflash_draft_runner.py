@@ -102,3 +102,17 @@ def test_captured_graphs_draft_what_eager_drafts_on_cuda(pair, tmp_path):
     assert used and got_out == want_out
     for (_, g), (_, w) in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warmup_captures_the_full_width_graphs_a_request_uses(pair, tmp_path):
+    """After Executor.warmup (DFlash.warmup) a request replays full-width proposals without capturing any."""
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    ex = Executor(build_plan(load_graph(graph, overrides=["device=cuda"]), load_registry()))
+    ex.warmup()
+    runner = ex.nodes["drafter"].runner
+    before = set(runner.graphs)
+    assert before and all(w == BLOCK for w, _ in before), before
+    ex.generate(PROMPTS[2], SamplingParams(max_new_tokens=20))
+    assert all(w < BLOCK for w, _ in set(runner.graphs) - before), set(runner.graphs) - before  # only the short tail

@@ -85,3 +85,10 @@ def test_cli_check_reports_both_problems(pair, tmp_path):
     out = run_cli(["check", graph])
     assert out.returncode != 0
     assert "[incompatible]" in out.stdout + out.stderr and "[dflash-taps]" in out.stdout + out.stderr
+
+
+def test_target_params_hook_answers_the_trained_tap_layers(pair, registry):
+    """draftflow_target_params: a dflash node asks for its artifact's target_layer_ids; other node types get no answer."""
+    hook = registry.pm.hook.draftflow_target_params
+    assert hook(plugin="dflash", params={"path": str(pair[1])}, target=None) == [{"tap_layers": [1, 2]}]
+    assert hook(plugin="lookup", params={}, target=None) == []

@@ -192,3 +192,9 @@ def test_static_proposal_step_runs_the_dynamic_convolutions(pair, tmp_path, regi
     assert runner is not None and got == want
     for g, w in zip(got_scores, want_scores):
         assert_close_to_scale(g, w, tiny_model_bound(4), "candidate scores")  # the 4-layer reference drafter
+
+
+def test_target_params_hook_answers_the_backbone_tap_layers(random_pair, registry):
+    """draftflow_target_params: a dflash2 node asks for its backbone's target_layer_ids."""
+    hook = registry.pm.hook.draftflow_target_params
+    assert hook(plugin="dflash2", params={"path": str(random_pair[1])}, target=None) == [{"tap_layers": [1, 2]}]

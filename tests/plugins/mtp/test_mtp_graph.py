@@ -67,3 +67,13 @@ def test_mtp_declares_its_own_kv_buffer(mimic_dirs, registry):
     (buf,) = plan.nodes["mtp"].manifest.owns
     assert buf.name == "mtp_kv" and "kv_tokens" in buf.shape
     assert plan.buffers["mtp_kv"].nbytes == 2 * 2 * 16 * plan.vram.kv_tokens * 4
+
+
+def test_target_params_hook_asks_for_the_last_layer(registry):
+    """draftflow_target_params: an mtp node asks the target to tap its last layer (none when the target is unknown)."""
+    from draftflow.plugin import TargetInfo
+
+    hook = registry.pm.hook.draftflow_target_params
+    info = TargetInfo(hidden_size=64, vocab_size=320, num_layers=36)
+    assert hook(plugin="mtp", params={"path": "unused"}, target=info) == [{"tap_layers": [35]}]
+    assert hook(plugin="mtp", params={"path": "unused"}, target=None) == []
