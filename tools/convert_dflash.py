@@ -47,7 +47,7 @@ def hf_to_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], names: 
     if cfg.rope_scaling is not None:
         raise ModelFormatError(f"{src}: RoPE scaling is not supported in DFlash GGUF files; keep the HF directory")
     writer = gguf.GGUFWriter(str(out), GGUF_ARCH)
-    _write_metadata(writer, cfg, art.file_dtype)
+    write_metadata(writer, cfg, art.file_dtype)
     if is_v2:
         for key in EXTRA_KEYS:
             writer.add_uint32(f"{GGUF_ARCH}.{key}", getattr(art.config, key))
@@ -82,7 +82,8 @@ def gguf_to_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> 
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
 
 
-def _write_metadata(writer: gguf.GGUFWriter, cfg: DFlashConfig, file_dtype: torch.dtype) -> None:
+def write_metadata(writer: gguf.GGUFWriter, cfg: DFlashConfig, file_dtype: torch.dtype) -> None:
+    """The `dflash.*` GGUF metadata of `cfg` (llama.cpp keys; tap layers stored as ids + 1)."""
     a = GGUF_ARCH
     write_backbone_metadata(writer, a, cfg)
     writer.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)

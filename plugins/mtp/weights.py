@@ -29,7 +29,7 @@ from draftflow.plugin import ModelFormatError, file_problem
 
 LAYOUTS = ("deepseek-v3", "qwen3-next")
 # Our module name -> checkpoint suffix, per layout (the block is added from the config).
-_HEAD_NAMES = {
+HEAD_NAMES = {
     "deepseek-v3": {"norm_e.weight": "enorm.weight", "norm_h.weight": "hnorm.weight", "proj.weight": "eh_proj.weight",
                     "out_norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"},
     "qwen3-next": {"norm_e.weight": "pre_fc_norm_embedding.weight", "norm_h.weight": "pre_fc_norm_hidden.weight",
@@ -138,7 +138,7 @@ def find_mtp(path: str, config: str = "", layout: str = "auto") -> MtpCheckpoint
     h = cfg.hidden_size
     want = {"norm_e.weight": (h,), "norm_h.weight": (h,), "proj.weight": (h, 2 * h), "out_norm.weight": (h,),
             "head.weight": (cfg.vocab_size, h)}
-    names = {ours: prefix + theirs for ours, theirs in _HEAD_NAMES[layout].items()}
+    names = {ours: prefix + theirs for ours, theirs in HEAD_NAMES[layout].items()}
     names.update({"block." + rel: block_prefix + rel for rel in block})
     want.update({"block." + rel: s for rel, s in block.items()})
     problems, tensors = [], {}

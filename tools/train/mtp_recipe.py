@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from draftflow.plugins.mtp.model import MtpHead
-from draftflow.plugins.mtp.weights import _HEAD_NAMES
+from draftflow.plugins.mtp.weights import HEAD_NAMES
 from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.loop import WindowKV, estimate_acceptance, init_weights
@@ -85,7 +85,7 @@ class MtpRecipe:
     def save(self, out: Path, target_config: dict) -> None:
         """`mtp.safetensors` with DeepSeek-V3 names (`model.layers.{N}.*`) and the target's config.json."""
         prefix = f"model.layers.{self.target.config.num_layers}."
-        names = _HEAD_NAMES[LAYOUT]
+        names = HEAD_NAMES[LAYOUT]
         state = {}
         for name, t in self.module.state_dict().items():
             if name in ("embed", "shared_head"):  # the target's tensors, bound (and registered) by `bind`

@@ -29,12 +29,12 @@ def gguf_with(path, tmp_path, name=None, shape=(4, 4), replace=None):
     import gguf
 
     from draftflow.plugins.dflash.loader import hf_to_gguf_name, read_artifact
-    from draftflow.tools.convert_dflash import _write_metadata
+    from draftflow.tools.convert_dflash import write_metadata
 
     art = read_artifact(path)
     out = tmp_path / "extra.gguf"
     writer = gguf.GGUFWriter(str(out), "dflash")
-    _write_metadata(writer, art.config, torch.float32)
+    write_metadata(writer, art.config, torch.float32)
     for hf, t in {**art.tensors, **(replace or {})}.items():
         writer.add_tensor(hf_to_gguf_name(hf), t.float().numpy())
     if name is not None:
