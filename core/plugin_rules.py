@@ -4,7 +4,9 @@ A plugin may import ``draftflow.plugin`` (the plugin API), ``draftflow.layers`` 
 building blocks) and modules of its own package. Every other ``draftflow.*`` module
 (``draftflow.core.node``, another plugin's ``model``) is private: it may change under the
 plugin without notice, and a built-in plugin reaching into another one is how the hidden
-contracts of issue 17 grew. A name with a leading underscore is private wherever it lives.
+contracts of issue 17 grew. A name with a leading underscore, imported from draftflow or
+from another module of the plugin's own package, is private too. Other libraries' imports
+(``torch._inductor``) are not this rule's business.
 
 ``import_violations`` reads one module's source with ``ast`` (nothing is imported);
 tests/test_plugin_imports.py applies it to every file of the built-in plugins and the
