@@ -8,7 +8,8 @@ them is launch-bound. `Kernels` is the choice a forward runs those pieces with:
   and the SiLU gate into one kernel each;
 - ``prologue=True`` / ``split_attention=True`` (CUDA): the Triton kernels of
   ``triton_kernels`` do q/k-norm + RoPE + the KV write in one launch and attention split
-  over key blocks.
+  over key blocks; ``elementwise=True`` (CUDA): residual add + RMSNorm and the SiLU gate
+  as Triton kernels (no torch.compile, so nothing is traced at warm-up).
 
 Every variant rounds where the plain ops round, so float32 results agree to rounding.
 `fuse_projections` lets q/k/v and gate/up run as one product each without copying weights.
@@ -68,22 +69,50 @@ def _compile(fn: Callable) -> Callable:
 
 
 class Kernels:
-    """How a forward runs its small pieces: plain, compiled, with the Triton prologue / split-KV attention.
+    """How a forward runs its small pieces: plain, compiled, with Triton kernels for the prologue, attention, elementwise.
 
-    Chosen once (at model or runner construction), never per call. The compiled pieces
-    compile once per function; the window length becomes a dynamic dimension on its second size.
+    Chosen once (at model or runner construction), never per call. `compiled`: torch.compile
+    each piece (once per function; the window length becomes dynamic on its second size).
+    `elementwise` (CUDA): residual add + RMSNorm and the SiLU gate as Triton kernels, which
+    load from Triton's disk cache in a fresh process instead of compiling; tensors they do not
+    take (float16, odd strides) fall back to the plain or compiled piece.
     """
 
-    def __init__(self, compiled: bool = False, prologue: bool = False, split_attention: bool = False) -> None:
+    def __init__(self, compiled: bool = False, prologue: bool = False, split_attention: bool = False,
+                 elementwise: bool = False) -> None:
         wrap: Callable = _compile if compiled else (lambda f: f)
-        self.compiled = compiled
+        self.compiled, self.elementwise = compiled, elementwise
         self.rms, self.add_rms, self.qk_rope, self.silu_mul = map(wrap, (rms, add_rms, qk_rope, silu_mul))
         self.prologue = self.split_attention = None
-        if prologue or split_attention:
+        if prologue or split_attention or elementwise:
             from draftflow.layers import triton_kernels
 
             self.prologue = triton_kernels.qk_rope_write if prologue else None
             self.split_attention = triton_kernels.decode_attention if split_attention else None
+            if elementwise:
+                self._use_triton_elementwise(triton_kernels)
+
+    def _use_triton_elementwise(self, tk) -> None:
+        plain_rms, plain_add_rms, plain_silu_mul = self.rms, self.add_rms, self.silu_mul
+
+        def rows_ok(*ts: torch.Tensor) -> bool:
+            return all(t.is_cuda and t.dtype in (torch.float32, torch.bfloat16) and t.is_contiguous() for t in ts)
+
+        def rms_(x, weight, eps, offset=False):
+            return tk.add_rms(x, None, weight, eps, offset)[1] if rows_ok(x) else plain_rms(x, weight, eps, offset)
+
+        def add_rms_(x, delta, weight, eps, offset=False):
+            return tk.add_rms(x, delta, weight, eps, offset) if rows_ok(x, delta) else plain_add_rms(x, delta, weight, eps, offset)
+
+        def silu_mul_(gate, up):
+            # gate, up: [.., I] row views with one row stride (two halves of one product, or two contiguous tensors)
+            uniform = (gate.stride() == up.stride() and gate.stride(-1) == 1 and gate.dim() >= 2
+                       and all(gate.stride(d) == gate.shape[d + 1] * gate.stride(d + 1) for d in range(gate.dim() - 2)))
+            if uniform and gate.is_cuda and gate.dtype in (torch.float32, torch.bfloat16) and up.dtype == gate.dtype:
+                return tk.silu_mul(gate, up)
+            return plain_silu_mul(gate, up)
+
+        self.rms, self.add_rms, self.silu_mul = rms_, add_rms_, silu_mul_
 
 
 PLAIN = Kernels()

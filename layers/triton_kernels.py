@@ -203,3 +203,70 @@ def decode_attention(
         m, l, acc, out, w, rows, NSPLIT=nsplit, KVH=kvh, G=rows // w, D=d, num_warps=1,
     )
     return out
+
+
+# --- elementwise pieces: residual add + RMSNorm, SiLU gate ------------------------------------
+# Hand-written rather than torch.compile'd: Triton caches compiled kernels on disk by source and
+# constants, so a fresh process loads them in milliseconds instead of re-tracing with dynamo
+# (the compile was most of the warm-up, docs/BENCHMARKS.md). Rounding follows the plain ops.
+@triton.jit
+def _add_rms_kernel(
+    x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, eps,
+    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, OFFSET: tl.constexpr, IS_BF16: tl.constexpr,
+):
+    # One program per row: sum = x + delta (rounded like the storage dtype), out = RMSNorm(sum)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < H
+    s = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        s = _round(s + tl.load(d_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32), IS_BF16)
+        tl.store(sum_ptr + row * H + cols, s.to(sum_ptr.dtype.element_ty), mask=live)
+    h = s * tl.math.rsqrt(tl.sum(s * s, 0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    if OFFSET:  # (h * (1 + w)) in float32, one rounding
+        y = h * (1.0 + w)
+    else:  # w * h.to(dtype): round h, then the product
+        y = _round(w * _round(h, IS_BF16), IS_BF16)
+    tl.store(out_ptr + row * H + cols, y.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def add_rms(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm of it) in one launch; `delta` None: (x, RMSNorm(x)). float32 / bfloat16, contiguous rows."""
+    # x, delta: [..., H]; weight: [H]
+    h = x.shape[-1]
+    total = torch.empty_like(x) if delta is not None else x
+    out = torch.empty_like(x)
+    _add_rms_kernel[(x.numel() // h,)](
+        x, delta if delta is not None else x, weight, total, out, h, eps,
+        BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, OFFSET=offset,
+        IS_BF16=x.dtype == torch.bfloat16, num_warps=8 if h >= 2048 else 4,
+    )
+    return total, out
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_row, BLOCK: tl.constexpr, IS_BF16: tl.constexpr):
+    # One program per (row, block of columns): silu(gate) rounded, times up, rounded on store
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < I
+    g = tl.load(g_ptr + row * stride_row + cols, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_row + cols, mask=live, other=0.0).to(tl.float32)
+    s = _round(g / (1.0 + tl.exp(-g)), IS_BF16)
+    tl.store(out_ptr + row * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for row-strided views of one [..., 2I] product (gate, then up); returns [..., I] contiguous."""
+    i = gate.shape[-1]
+    rows = gate.numel() // i
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _silu_mul_kernel[(rows, triton.cdiv(i, SILU_BLOCK))](
+        gate, up, out, i, gate.stride(-2), BLOCK=SILU_BLOCK, IS_BF16=gate.dtype == torch.bfloat16, num_warps=4,
+    )
+    return out

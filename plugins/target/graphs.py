@@ -9,10 +9,10 @@ stays outside the graph: the start check, `cache.ensure`, and for hybrid targets
 the linear-state window (`LinearState.begin`); committing is the caller's, as with the
 eager forward.
 
-The fast paths are `fused.Kernels` options of that forward: compiled residual-add +
-RMSNorm, q/k-norm + RoPE and SiLU gate; fused q/k/v and gate/up products
-(`fuse_projections`); the Triton q/k-norm + RoPE + KV-write prologue and split-KV attention
-on CUDA. Numbers and the profile are in docs/BENCHMARKS.md.
+The fast paths are `fused.Kernels` options of that forward: fused q/k/v and gate/up
+products (`fuse_projections`); on CUDA the Triton q/k-norm + RoPE + KV-write prologue,
+split-KV attention, residual-add + RMSNorm and SiLU-gate kernels; torch.compile'd pieces
+for whatever those do not cover (the hybrid's gated, partially rotated attention). Numbers and the profile are in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ class GraphRunner:
 
     `capture=False` runs the same forward without graphs (CPU, tests). Returned logits
     and taps are the captured forward's outputs, valid until the next call with the same
-    (W, bucket). `triton` / `triton_attention` default to on for CUDA (the prologue needs
-    fused q/k/v and whole-head rotary; other layers take the torch ops).
+    (W, bucket). `triton` / `triton_attention` / `elementwise` default to on for CUDA (the
+    prologue needs fused q/k/v and whole-head rotary; other layers take the torch ops, compiled
+    when `compiled`). With all three, a dense target compiles nothing with torch.compile.
     """
 
     def __init__(self, model: TargetModel, cache: KVCache, max_window: int, tap_layers: Sequence[int] = (), *,
                  linear: LinearState | None = None, capture: bool = True, compiled: bool = True, fused: bool = True,
-                 triton: bool | None = None, triton_attention: bool | None = None, min_bucket: int = MIN_BUCKET) -> None:
+                 triton: bool | None = None, triton_attention: bool | None = None, elementwise: bool | None = None,
+                 min_bucket: int = MIN_BUCKET) -> None:
         if cache.mode != "static":
             raise ValueError("GraphRunner needs a static KV cache (kv_mode: static): graphs cannot follow a growing buffer")
         if model.config.is_hybrid and (linear is None or linear.max_window < max_window):
@@ -58,7 +60,8 @@ class GraphRunner:
         d = model.config.head_dim
         triton_ok = kv.is_cuda and d & (d - 1) == 0  # Triton blocks are powers of two
         self.kernels = Kernels(compiled=compiled, prologue=triton_ok and (fused if triton is None else triton),
-                               split_attention=triton_ok and (True if triton_attention is None else triton_attention))
+                               split_attention=triton_ok and (True if triton_attention is None else triton_attention),
+                               elementwise=kv.is_cuda and (True if elementwise is None else elementwise))
         self.tokens = torch.zeros(batch, max_window, dtype=torch.long, device=device)  # [B, Wmax]
         self.start = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}

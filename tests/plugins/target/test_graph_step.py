@@ -174,7 +174,8 @@ def test_captured_graphs_match_eager_on_cuda(hf_dir, arch, compiled, triton):
     """Replayed CUDA graphs (plain, torch.compile'd pieces, Triton kernels) equal the eager forward in float32 across buckets."""
     loaded = load_hf(hf_dir(arch)[1], "cuda", torch.float32)
     runner = _compare(loaded.model, loaded.config, "cuda", torch.float32,
-                      dict(capture=True, compiled=compiled, triton=triton, triton_attention=triton, min_bucket=8),
+                      dict(capture=True, compiled=compiled, triton=triton, triton_attention=triton, elementwise=triton,
+                           min_bucket=8),
                       taps=(0, 1), tol=1e-4)
     assert (runner.kernels.prologue is not None) == triton and (runner.kernels.split_attention is not None) == triton
     assert len({bucket for _, bucket in runner.graphs}) > 1  # windows crossed a bucket boundary
