@@ -40,7 +40,9 @@ from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 
 # Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
-# covers prompt + max tokens of typical requests; each costs ~TODO ms to capture at Qwen3-8B shapes.
+# covers prompt + max tokens of typical requests. Measured at Qwen3-8B shapes, bf16, H200 (docs/BENCHMARKS.md):
+# ~0.09 s per graph once Triton's disk cache holds the kernels (1.7 s for all 8, the first 0.6 s with CUDA
+# library loading); ~8 s on a machine's very first run, when Triton compiles every kernel once.
 WARMUP_TOKENS = 2048
 PARAMS = (
     ParamSpec("path", "path", help="Hugging Face model directory or .gguf file"),
