@@ -358,12 +358,16 @@ def run(a) -> None:
     guarded(r, "eager_step", eager_step)
     variants, runner = {}, None
     gpu = DEV == "cuda"
-    for name, kw in (("graph", dict(compiled=False, fused=False, triton=False, triton_attention=False)),
-                     ("graph+compile", dict(compiled=True, fused=False, triton=False, triton_attention=False)),
-                     ("graph+compile+fused", dict(compiled=True, fused=True, triton=False, triton_attention=False)),
-                     ("graph+compile+fused+triton prologue", dict(compiled=True, fused=True, triton=gpu, triton_attention=False)),
-                     ("graph+compile+fused+triton prologue+split attention (default)",
-                      dict(compiled=True, fused=True, triton=gpu, triton_attention=gpu))):
+    plain = dict(elementwise=False)  # torch ops (or torch.compile'd ones) between the products
+    for name, kw in (("graph", dict(compiled=False, fused=False, triton=False, triton_attention=False, **plain)),
+                     ("graph+compile", dict(compiled=True, fused=False, triton=False, triton_attention=False, **plain)),
+                     ("graph+compile+fused", dict(compiled=True, fused=True, triton=False, triton_attention=False, **plain)),
+                     ("graph+compile+fused+triton prologue", dict(compiled=True, fused=True, triton=gpu, triton_attention=False,
+                                                                  **plain)),
+                     ("graph+compile+fused+triton prologue+split attention",
+                      dict(compiled=True, fused=True, triton=gpu, triton_attention=gpu, **plain)),
+                     ("graph+fused+triton prologue+split attention+triton add-RMSNorm/SiLU (default, nothing compiled)",
+                      dict(compiled=True, fused=True, triton=gpu, triton_attention=gpu, elementwise=gpu))):
         def variant(kw=kw):
             nonlocal runner
             t = time.monotonic()
