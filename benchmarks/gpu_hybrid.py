@@ -5,7 +5,8 @@
 
 Weights are random and built in memory. For each model a context of `--context` tokens is
 prefilled, then a verify window of T in (1, 4, 8, 16) tokens is timed at that position (never
-committed, so every repetition sees the same state). Rollback after a window of 16 with n
+committed, so every repetition sees the same state), eagerly and through the target's graph
+runner (CUDA graphs on CUDA; dense and hybrid-select). Rollback after a window of 16 with n
 accepted tokens is timed for the hybrid's two modes: `select` (the state after every window
 position was kept; commit copies one slot) and `replay` (the window journaled k, v, g, beta;
 commit re-runs n recurrence steps), plus the naive alternative, snapshot + re-forward of the
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from draftflow.layers.config import TargetConfig
-from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.layers.linear_state import LinearState
 from draftflow.plugins.target.model import TargetModel
 
@@ -80,7 +81,8 @@ class Setup:
     def __init__(self, model: TargetModel, context: int, mode: str, device: str, dtype: torch.dtype):
         cfg = model.config
         self.model, self.context = model, context
-        self.cache = KVCache.growing(cfg, 1, context + MAX_WINDOW + 1, dtype, device, chunk_tokens=context + MAX_WINDOW + 1)
+        self.cache = KVCache.from_static(torch.zeros(static_shape(cfg, 1, context + MAX_WINDOW + 1), dtype=dtype,
+                                                     device=device))
         self.linear = LinearState.allocate(cfg, 1, MAX_WINDOW, dtype, device, mode) if cfg.is_hybrid else None
         ids = torch.randint(0, cfg.vocab_size, (1, context + MAX_WINDOW), device=device)
         self.prompt, self.window = ids[:, :context], ids[:, context:]
@@ -99,6 +101,11 @@ class Setup:
     @torch.inference_mode()
     def verify(self, t: int) -> None:
         self.model(self.window[:, :t], self.context, self.cache, linear=self.linear)
+
+    @torch.inference_mode()
+    def verify_graph(self, runner, t: int) -> None:
+        """The same window through the target's graph runner (a CUDA graph replay per (T, bucket) on CUDA)."""
+        runner(7, self.window[:, 1:t] if t > 1 else None, self.context)
 
     def rewind(self) -> None:
         """Back to the prefilled context (not timed): committed state restored, last window still open."""
@@ -144,7 +151,7 @@ def main(argv=None) -> int:
     reps = a.reps or (3 if a.tiny else 50)
     ms = timer(a.device)
     results = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "dtype": str(dtype),
-               "context": context, "verify_ms": {}, "rollback_ms": {}, "params": {}, "state_bytes": {}}
+               "context": context, "verify_ms": {}, "verify_graph_ms": {}, "rollback_ms": {}, "params": {}, "state_bytes": {}}
     for kind in ("dense", "hybrid"):
         model = build(kind, a.tiny, a.device, dtype)
         results["params"][kind] = sum(p.numel() for p in model.parameters())
@@ -153,6 +160,13 @@ def main(argv=None) -> int:
             s = Setup(model, context, "select" if mode == "kv" else mode, a.device, dtype)
             name = kind if mode == "kv" else f"{kind}-{mode}"
             results["verify_ms"][name] = {t: round(ms(lambda t=t: s.verify(t), reps), 4) for t in WINDOWS}
+            if mode in ("kv", "select"):  # captured windows: the same forward, replayed as CUDA graphs
+                from draftflow.plugins.target.graphs import GraphRunner
+
+                runner = GraphRunner(model, s.cache, MAX_WINDOW, linear=s.linear, capture=a.device == "cuda")
+                results["verify_graph_ms"][name] = {t: round(ms(lambda t=t: s.verify_graph(runner, t), reps), 4)
+                                                    for t in WINDOWS}
+                del runner
             if s.linear is not None:
                 results["state_bytes"][name] = sum(x.numel() * x.element_size() for x in
                                                    (s.linear.conv, s.linear.rec, s.linear.journal) if x is not None)
@@ -169,6 +183,8 @@ def main(argv=None) -> int:
     print("verify window (ms)     " + "".join(f"{f'T={t}':>10}" for t in WINDOWS))
     for name, row in results["verify_ms"].items():
         print(f"  {name:<21}" + "".join(f"{row[t]:>10.3f}" for t in WINDOWS))
+    for name, row in results["verify_graph_ms"].items():
+        print(f"  {name + ', graph':<21}" + "".join(f"{row[t]:>10.3f}" for t in WINDOWS))
     print("rollback, 16-token window (ms)" + "".join(f"{f'n={n}':>10}" for n in (1, 4, 8, 16)))
     for name, row in results["rollback_ms"].items():
         print(f"  {name:<28}" + "".join(f"{row[n]:>10.3f}" for n in (1, 4, 8, 16)))
