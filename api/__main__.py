@@ -1,5 +1,3 @@
-import sys
+from draftflow.core.cli import console
 
-from draftflow.core.cli import main
-
-sys.exit(main())
+console()
