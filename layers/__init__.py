@@ -7,6 +7,8 @@
 - ``decoder``: the Qwen3/Llama/Qwen3-Next decoder layer; ``gdn``: Gated DeltaNet; ``moe``,
   ``expert_cache``: sparse MoE blocks and their device expert cache.
 - ``graphs``: the one CUDA-graph runner (``GraphCache``).
+- ``fused``: the small pieces (RMSNorm, add + norm, q/k-norm + RoPE, SiLU gate) plain,
+  torch.compile'd or Triton (``Kernels``), and ``fuse_projections``.
 - ``config``: the decoder config (config.json / GGUF header); ``gguf_names``: HF <-> GGUF names.
 - ``sampling``: temperature / top-k / top-p filtering and sampling.
 
