@@ -25,7 +25,7 @@ from draftflow.layers.expert_cache import ExpertCache
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.decoder import DecoderLayer
 from draftflow.layers.norm import RMSNorm
-from draftflow.layers.rope import rope_inv_freq
+from draftflow.layers.rope import rope_inv_freq, rope_tables
 from draftflow.layers.moe import HostExperts, SparseMoeBlock
 
 
@@ -84,10 +84,8 @@ class MtpHead(nn.Module):
         t = tokens.shape[1]
         cache.ensure(start_pos + t)
         pos = torch.arange(start_pos, start_pos + t, device=tokens.device)  # [T]
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         e = F.embedding(tokens, self.embed)  # [1, T, H]
-        cos, sin = emb.cos().to(e.dtype), emb.sin().to(e.dtype)
+        cos, sin = rope_tables(self.inv_freq, pos, e.dtype)  # [T, 1, D] each
         mask = None  # causal from 0, or a single row that sees everything before it
         if start_pos > 0 and t > 1:
             mask = torch.arange(start_pos + t, device=tokens.device)[None, :] <= pos[:, None]  # [T, S]
