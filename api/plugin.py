@@ -14,7 +14,7 @@ from draftflow.core.errors import (
     RequestError,
     SpecError,
 )
-from draftflow.core.files import file_problem, read_json_object
+from draftflow.core.files import file_problem, open_safetensors, read_json_object
 from draftflow.core.hookspecs import hookimpl
 from draftflow.core.manifest import KV_TOKENS, BufferSpec, ExpertPool, Incompatibility, Manifest, Port, Vram
 from draftflow.core.node import CommitInfo, Node, NodeContext, RequestState, SamplingParams
@@ -37,5 +37,5 @@ __all__ = [
     "ExpertPool", "Features", "HEAD_BUFFER", "Incompatibility", "KV_TOKENS", "Manifest", "ModelFormatError", "Node",
     "NodeContext", "NodeType", "OwnershipError", "ParamSpec", "Port", "Problem", "Proposal", "RequestError",
     "RequestState", "SamplingParams", "SpecError", "TARGET_HANDLE", "TargetHandle", "TargetInfo", "TargetOutput", "Vram", "Verdict",
-    "file_problem", "hookimpl", "read_json_object", "target_info", "wrong_target_check",
+    "file_problem", "hookimpl", "open_safetensors", "read_json_object", "target_info", "wrong_target_check",
 ]

@@ -42,3 +42,18 @@ def file_problem(file: Path) -> str | None:
     if not os.access(file, os.R_OK):
         return "permission denied"
     return None
+
+
+def open_safetensors(file: Path, device: str = "cpu") -> Any:
+    """``safetensors.safe_open`` on `file`, every failure a ModelFormatError naming the file and the fix."""
+    from safetensors import safe_open
+
+    problem = file_problem(file)
+    if problem:
+        raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a safetensors file; "
+                               "check the path and its permissions")
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad headers and bytes
+        raise ModelFormatError(f"{file}: not a readable safetensors file ({exc}); it is truncated or corrupt, "
+                               "re-download or re-save it") from exc

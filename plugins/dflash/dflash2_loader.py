@@ -17,9 +17,8 @@ from pathlib import Path
 import attrs
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from safetensors import safe_open
 
-from draftflow.plugin import ModelFormatError, file_problem
+from draftflow.plugin import ModelFormatError, open_safetensors
 from draftflow.plugins.dflash import loader as dflash_loader
 from draftflow.plugins.dflash.dflash2_config import CODEBOOKS, EXTRA_KEYS, DFlash2Config, expected_tensors
 from draftflow.plugins.dflash.dflash2_model import DFlash2Model
@@ -153,14 +152,7 @@ def _read_hf(root: Path) -> Artifact:
                                "download the complete artifact")
     found, names, where = {}, {}, {}
     for file in files:
-        problem = file_problem(file)
-        if problem:
-            raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a safetensors file; "
-                                   "check the path and its permissions")
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several types on bad bytes
-            raise ModelFormatError(f"{file}: not a readable safetensors file ({exc}); re-download it") from exc
+        handle = open_safetensors(file)
         for name in handle.keys():
             sl = handle.get_slice(name)
             _add(found, names, canonical_name(name), name, (tuple(sl.get_shape()), sl.get_dtype()), str(root))

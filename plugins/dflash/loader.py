@@ -19,10 +19,9 @@ import attrs
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from safetensors import safe_open
 
 from draftflow.layers.gguf_names import LAYER_NAMES
-from draftflow.plugin import ModelFormatError, file_problem, read_json_object
+from draftflow.plugin import ModelFormatError, open_safetensors, read_json_object
 from draftflow.plugins.dflash.config import DFlashConfig, expected_tensors
 from draftflow.plugins.dflash.model import DFlashModel
 
@@ -160,14 +159,7 @@ def _read_hf(root: Path) -> Artifact:
                                "download the complete artifact")
     handles, found, file_of = {}, {}, {}
     for file in files:
-        problem = file_problem(file)
-        if problem:
-            raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a safetensors file; "
-                                   "check the path and its permissions")
-        try:
-            handles[file] = h = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several types on bad bytes
-            raise ModelFormatError(f"{file}: not a readable safetensors file ({exc}); re-download it") from exc
+        handles[file] = h = open_safetensors(file)
         for name in h.keys():
             sl = h.get_slice(name)
             found[name] = (tuple(sl.get_shape()), sl.get_dtype())

@@ -8,9 +8,7 @@ placed straight on the device in the requested dtype.
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,10 +16,9 @@ from typing import Any
 
 import attrs
 import torch
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from draftflow.plugin import ModelFormatError, file_problem, read_json_object
+from draftflow.plugin import ModelFormatError, file_problem, open_safetensors, read_json_object
 from draftflow.layers.config import ConfigFields, TargetConfig, expected_tensors, read_config  # noqa: F401 (read_config: re-exported for the target plugin)
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor, split_fused_experts
@@ -168,17 +165,7 @@ def _open(file: Path, device: torch.device | str) -> Any:
         raise ModelFormatError(
             f"{file}: shard file is missing; expected it next to model.safetensors.index.json; re-download it"
         )
-    problem = file_problem(file)
-    if problem:
-        raise ModelFormatError(f"{file}: cannot be read: {problem}; expected a safetensors file; "
-                               "check the path and its permissions")
-    try:
-        return safe_open(str(file), framework="pt", device=str(device))
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad headers
-        raise ModelFormatError(
-            f"{file}: not a readable safetensors file ({exc}); expected a complete file; "
-            "it is truncated or corrupt, re-download or re-save it"
-        ) from exc
+    return open_safetensors(file, str(device))
 
 
 def _read_json(file: Path, required: bool) -> dict[str, Any]:
