@@ -176,7 +176,7 @@ def plugin_import_check(registry):
                           f"plugin {node_type.plugin!r} imports {', '.join(shown)}{more}, private to draftflow "
                           f"(it may change without notice)",
                           "import what a plugin needs from draftflow.plugin (model building blocks from draftflow.layers) "
-                          f"and ask the plugin's author to do the same",
+                          "and ask the plugin's author to do the same",
                           node_type.name, spec.where if spec else "")
 
     return check

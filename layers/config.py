@@ -363,7 +363,7 @@ def expected_tensors(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
 
     A tied model has no `lm_head.weight` here; loaders accept one if present.
     """
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

@@ -8,8 +8,12 @@ in the half-split layout of HF `rotate_half`. Every model (target, MTP, DFlash) 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from draftflow.layers.config import TargetConfig
 
 
 def rope_inv_freq(cfg: TargetConfig) -> torch.Tensor:

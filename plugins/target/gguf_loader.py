@@ -21,7 +21,7 @@ from draftflow.plugin import ModelFormatError
 from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor
-from draftflow.layers.gguf_names import GGUF_ARCHS, LAYER_NAMES, TOP_NAMES, gguf_moe_fields, hf_to_gguf_name, merged_views
+from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_name, merged_views
 
 SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
