@@ -17,7 +17,7 @@ from draftflow.core.errors import (
 from draftflow.core.files import file_problem, open_safetensors, read_json_object
 from draftflow.core.hookspecs import hookimpl
 from draftflow.core.manifest import KV_TOKENS, BufferSpec, ExpertPool, Incompatibility, Manifest, Port, Vram
-from draftflow.core.node import CommitInfo, Node, NodeContext, RequestState, SamplingParams
+from draftflow.core.node import CommitInfo, GrammarSpec, Node, NodeContext, RequestState, SamplingParams
 from draftflow.core.params import ParamSpec
 from draftflow.core.ports import Candidates, Features, Proposal, TargetOutput, Verdict
 from draftflow.core.problems import Problem
@@ -34,7 +34,7 @@ from draftflow.core.target import (
 
 __all__ = [
     "BufferSpec", "CacheCapacityError", "Candidates", "CheckError", "CommitInfo", "DraftflowError", "EMBED_BUFFER",
-    "ExpertPool", "Features", "HEAD_BUFFER", "Incompatibility", "KV_TOKENS", "Manifest", "ModelFormatError", "Node",
+    "ExpertPool", "Features", "GrammarSpec", "HEAD_BUFFER", "Incompatibility", "KV_TOKENS", "Manifest", "ModelFormatError", "Node",
     "NodeContext", "NodeType", "OwnershipError", "ParamSpec", "Port", "Problem", "Proposal", "RequestError",
     "RequestState", "SamplingParams", "SpecError", "TARGET_HANDLE", "TargetHandle", "TargetInfo", "TargetOutput", "Vram", "Verdict",
     "file_problem", "hookimpl", "open_safetensors", "read_json_object", "target_info", "wrong_target_check",

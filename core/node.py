@@ -64,6 +64,29 @@ def _is_number(value) -> bool:
     return abs(value) < 1e308 if isinstance(value, int) else math.isfinite(value)
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
+MAX_LOGPROBS = 20  # top alternatives per position, as the OpenAI API allows
+
+
+@attrs.frozen
+class GrammarSpec:
+    """A constraint on the output: ``kind`` json_object (any JSON object), json_schema (``source``
+    is the schema as JSON text), regex or lark (``source`` is the pattern / grammar text)."""
+
+    kind: str = attrs.field(validator=_check(lambda v: v in GRAMMAR_KINDS, f"one of {', '.join(GRAMMAR_KINDS)}"))
+    source: str = attrs.field(default="", validator=_check(lambda v: isinstance(v, str), "a string"))
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """dict {token id: bias} (or pairs) -> sorted pairs; validated by the field's validator."""
+    if isinstance(value, dict):
+        value = value.items()
+    try:
+        return tuple(sorted((k, v) for k, v in value))
+    except TypeError:
+        raise RequestError(f"sampling field 'logit_bias' is {value!r}; it must map token ids to numbers") from None
+
+
 @attrs.define
 class SamplingParams:
     """How one request samples; every field is validated on construction and assignment (RequestError)."""
@@ -81,6 +104,32 @@ class SamplingParams:
                                                   validator=_check(lambda v: all(_is_int(t) and t >= 0 for t in v),
                                                                    "a list of token ids >= 0"))
     ignore_eos: bool = attrs.field(default=False, validator=_check(lambda v: isinstance(v, bool), "true or false"))
+    # Logit processors, applied to the target's logits at every verified position given the prefix up to it
+    # (drafts before it included); presence/frequency count output tokens (OpenAI), repetition prompt + output
+    # (transformers/vLLM: positive logits divided by it, negative multiplied).
+    presence_penalty: float = attrs.field(default=0.0, validator=_check(lambda v: _is_number(v) and -2 <= v <= 2,
+                                                                        "a number in [-2, 2] (0 = off)"))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_check(lambda v: _is_number(v) and -2 <= v <= 2,
+                                                                         "a number in [-2, 2] (0 = off)"))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_check(lambda v: _is_number(v) and 0 < v <= 100,
+                                                                          "a number in (0, 100] (1 = off)"))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=_logit_bias,
+        validator=_check(lambda v: all(_is_int(k) and k >= 0 and _is_number(b) and -100 <= b <= 100 for k, b in v),
+                         "a map of token ids >= 0 to numbers in [-100, 100]"))
+    min_p: float = attrs.field(default=0.0, validator=_check(lambda v: _is_number(v) and 0 <= v <= 1,
+                                                             "a number in [0, 1] (0 = off)"))
+    logprobs: int | None = attrs.field(default=None, validator=_check(
+        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        f"an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or unset (no logprobs)"))
+    grammar: GrammarSpec | None = attrs.field(default=None, validator=_check(
+        lambda v: v is None or isinstance(v, GrammarSpec), "a GrammarSpec or unset"))
+
+    @property
+    def has_processors(self) -> bool:
+        """True when any logit processor besides temperature / top-k / top-p is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_p or self.grammar is not None)
 
 
 @attrs.define
