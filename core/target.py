@@ -69,6 +69,7 @@ class TargetHandle:
     head_weight: torch.Tensor | None = None
     features: torch.Tensor | None = None
     config: Any = None
+    hf_tokenizer: Any = None  # the `tokenizers.Tokenizer` itself (grammar engines build their token tables from it)
 
     @property
     def vocab_size(self) -> int:

@@ -221,7 +221,8 @@ class Target(Node):
         return TargetHandle(target_info(self.ctx.params), tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                             dtype=self.ctx.dtype, device=torch.device(self.ctx.device), embed=self.model.embed_tokens,
                             lm_head=lambda hidden: F.linear(hidden, head).float(), embed_weight=self.model.embed_tokens.weight,
-                            head_weight=head, features=self.features, config=self.config)
+                            head_weight=head, features=self.features, config=self.config,
+                            hf_tokenizer=self.tokenizer.tok if self.tokenizer is not None else None)
 
     def tensors(self):
         yield from self.model.parameters()
