@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 from draftflow.core.errors import CheckError, DraftflowError
+from draftflow.core.generate_options import (add_processor_args, check_logit_bias, logprob_rows, print_logprobs,
+                                             processor_fields)
 from draftflow.core.hookspecs import hookimpl
 
 DEFAULT_GRAPH = "demo.yaml"
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
+    add_processor_args(g)
     g.add_argument("--device", choices=None, help="cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--trace", metavar="FILE.jsonl",
@@ -110,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     sv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
     sv.add_argument("--spec-stats", action="store_true", help="add speculative_decoding stats to every response")
+    sv.add_argument("--max-n", type=int, default=8, help="largest n / best_of a request may ask for (choices run one "
+                                                        "after another)")
     sv.add_argument("--trace", metavar="FILE.jsonl",
                     help="write every cycle and request event as JSON lines (an existing trace is overwritten)")
     _add_threads_arg(sv)
@@ -215,7 +220,7 @@ def cmd_generate(args) -> int:
         raise DraftflowError("drafter shortcut flags (--dflash, --dflash2, --mtp, --lookup) build a graph; use them without --graph")
     prompt_ids = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+                              max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, **processor_fields(args))
     _absolute_paths(args)
     from draftflow.core.session import Session, check_threads, shortcut_graph
 
@@ -246,6 +251,7 @@ def cmd_generate(args) -> int:
     session = Session.open(graph_path=graph_path, graph_dict=shortcut, overrides=overrides, trace=args.trace,
                            registry=registry, threads=args.threads)
     try:
+        check_logit_bias(sampling.logit_bias, session.executor.handle.vocab_size)
         if prompt_ids is None:
             prompt_ids = session.encode(text)
         printer = None
@@ -262,11 +268,15 @@ def cmd_generate(args) -> int:
     finally:
         session.close()
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": list(result.token_ids),
-                          "prompt_token_ids": list(result.prompt_token_ids), "finish_reason": result.finish_reason,
-                          "stats": result.stats}))
+        out = {"text": result.text, "token_ids": list(result.token_ids), "prompt_token_ids": list(result.prompt_token_ids),
+               "finish_reason": result.finish_reason, "stats": result.stats}
+        if sampling.logprobs is not None:
+            out["logprobs"] = logprob_rows(session.tokenizer, result)
+        print(json.dumps(out))
     else:
         printer.finish(result.token_ids)
+        if sampling.logprobs is not None:
+            print_logprobs(logprob_rows(session.tokenizer, result))
         s = result.stats
         threads = f", {session.threads} thread{'s' if session.threads != 1 else ''}" if session.threads else ""
         print(f"[{len(result.token_ids)} tokens, {s['cycles']} cycles, tau {s['tau']:.2f}, acceptance {s['acceptance_rate']:.2f}, "

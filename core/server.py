@@ -27,7 +27,7 @@ import attrs
 import structlog
 
 from draftflow.core.errors import DraftflowError
-from draftflow.core.openai_api import Api, ApiError, chunk, now, response
+from draftflow.core.openai_api import Api, ApiError, Choice, chunk, now, response
 from draftflow.core.serving import Engine, QueueFull, ServeRequest
 from draftflow.core.session import Session
 
@@ -50,6 +50,7 @@ class ServeConfig:
     default_max_tokens: int = 256
     model_names: tuple[str, ...] = ()
     spec_stats: bool = False
+    max_n: int = 8
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -218,7 +219,8 @@ class Handler(BaseHTTPRequestHandler):
             if parsed.user:  # a gateway holding one key can still get fairness per end user
                 client += "/" + parsed.user
             req = ServeRequest(ServeRequest.new_id("chatcmpl" if kind == "chat" else "cmpl"), parsed.prompt_ids,
-                               parsed.sampling, parsed.stop, client)
+                               parsed.sampling, parsed.stop, client, n=parsed.n, best_of=parsed.best_of,
+                               logprobs=parsed.logprobs is not None)
             try:
                 self.server.engine.submit(req)
             except QueueFull as exc:
@@ -256,24 +258,28 @@ class Handler(BaseHTTPRequestHandler):
                 pass
 
     def _respond(self, parsed, req: ServeRequest) -> None:
-        parts = []
+        choices: dict[int, Choice] = {}
         while (event := self._next_event(req)) is not None:
+            if event[0] == "error":
+                return self._send_error(_event_error(event, parsed))
+            c = choices.setdefault(event[1], Choice(event[1], pieces=[] if parsed.logprobs is not None else None))
             if event[0] == "delta":
-                parts.append(event[1])
-            elif event[0] == "error":
-                return self._send_error(_event_error(event))
-            else:
-                _, finish, info = event
-                return self._send_json(200, response(parsed, req.id, now(), "".join(parts), finish, info),
+                c.text += event[2]
+                if c.pieces is not None:
+                    c.pieces.extend(event[3] or ())
+                continue
+            c.finish, info = event[2], event[3]
+            if info is not None:  # the last choice
+                return self._send_json(200, response(parsed, req.id, now(), list(choices.values()), info),
                                        {"X-Request-Id": req.id})
 
     def _stream(self, parsed, req: ServeRequest) -> None:
-        created, started = now(), False
+        created, started, begun = now(), False, set()
         while (event := self._next_event(req)) is not None:
             if event[0] == "error":
                 if not started:  # the executor refused it before the first cycle: a plain JSON error
-                    return self._send_error(_event_error(event))
-                self._sse(_event_error(event).body())
+                    return self._send_error(_event_error(event, parsed))
+                self._sse(_event_error(event, parsed).body())
                 return self._end_stream()
             if not started:
                 started = True
@@ -283,13 +289,17 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("Transfer-Encoding", "chunked")
                 self.send_header("X-Request-Id", req.id)
                 self.end_headers()
-                if parsed.kind == "chat":
-                    self._sse(chunk(parsed, req.id, created, role=True))
+            index = event[1]
+            if parsed.kind == "chat" and index not in begun:
+                self._sse(chunk(parsed, req.id, created, index, role=True))
+            begun.add(index)
             if event[0] == "delta":
-                self._sse(chunk(parsed, req.id, created, text=event[1]))
+                self._sse(chunk(parsed, req.id, created, index, text=event[2], pieces=event[3]))
                 continue
-            _, finish, info = event
-            self._sse(chunk(parsed, req.id, created, finish=finish, info=info))
+            _, _, finish, info = event
+            self._sse(chunk(parsed, req.id, created, index, finish=finish, info=info))
+            if info is None:
+                continue
             if parsed.include_usage:
                 self._sse(chunk(parsed, req.id, created, info=info))
             return self._end_stream()
@@ -307,10 +317,11 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def _event_error(event) -> ApiError:
-    """The ApiError of a worker ``("error", status, message)`` event."""
+def _event_error(event, parsed) -> ApiError:
+    """The ApiError of a worker ``("error", status, message)`` event; a grammar the engine refused names its field."""
     _, status, message = event
-    return ApiError(status, message, type_="server_error" if status >= 500 else "invalid_request_error")
+    param = parsed.grammar_param if status == 400 and parsed.grammar_param and "grammar" in message.lower() else None
+    return ApiError(status, message, param=param, type_="server_error" if status >= 500 else "invalid_request_error")
 
 
 def backlog(max_waiting: int) -> int:
@@ -369,7 +380,8 @@ class DraftflowServer(ThreadingHTTPServer):
     def __init__(self, config: ServeConfig, engine: Engine):
         self.config, self.engine = config, engine
         names = config.model_names or (engine.executor.plan.spec.name,)
-        self.api = Api(engine, tuple(names), config.max_tokens_limit, config.default_max_tokens, config.spec_stats)
+        self.api = Api(engine, tuple(names), config.max_tokens_limit, config.default_max_tokens, config.spec_stats,
+                       config.max_n)
         self.request_queue_size = backlog(config.max_waiting)  # read by server_activate's listen()
         self.address_family = listen_family(config.host, config.port)
         super().__init__((config.host, config.port), Handler)
@@ -413,7 +425,7 @@ def serve(session, config: ServeConfig, ready=None) -> None:
 
 def run_serve(args) -> int:
     """`draftflow serve GRAPH`: check and open the graph, then listen until SIGINT / SIGTERM."""
-    for flag in ("max_waiting", "max_body_bytes", "max_tokens_limit", "default_max_tokens"):
+    for flag in ("max_waiting", "max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_n"):
         if getattr(args, flag) < 1:  # --max-waiting 0 would refuse every request: each one waits before it runs
             raise DraftflowError(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be at least 1")
     if args.default_max_tokens > args.max_tokens_limit:
@@ -432,7 +444,7 @@ def run_serve(args) -> int:
     config = ServeConfig(host=args.host, port=args.port, api_keys=keys, max_body_bytes=args.max_body_bytes,
                          max_waiting=args.max_waiting, max_tokens_limit=args.max_tokens_limit,
                          default_max_tokens=args.default_max_tokens, model_names=tuple(args.model_names),
-                         spec_stats=args.spec_stats)
+                         spec_stats=args.spec_stats, max_n=args.max_n)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt

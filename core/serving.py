@@ -22,7 +22,8 @@ import attrs
 import structlog
 
 from draftflow.core.errors import DraftflowError
-from draftflow.core.node import SamplingParams
+from draftflow.core.node import MAX_SEED, SamplingParams
+from draftflow.core.openai_logprobs import TokenText, TokenTexts
 from draftflow.core.serve_metrics import Metrics
 from draftflow.core.tracing import RequestStats
 
@@ -78,7 +79,10 @@ class StopScanner:
 class ServeRequest:
     """One queued or running request. The worker writes ``events``; the HTTP handler reads them.
 
-    Events: ``("delta", text)``, ``("done", finish_reason, info)``, ``("error", status, message)``.
+    Events: ``("delta", index, text, pieces)`` (``pieces``: the openai_logprobs.TokenText of the
+    tokens this text belongs to, or None without logprobs), ``("finish", index, finish_reason, info)``
+    (``info``, the usage and stats of the whole request, on the last choice only), and
+    ``("error", status, message)``. Choices come one after another, in index order.
     """
 
     id: str
@@ -86,13 +90,15 @@ class ServeRequest:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     client: str = "-"  # fairness key
+    n: int = 1  # choices returned
+    best_of: int = 1  # candidates run (>= n); the n with the highest total logprob are returned
+    logprobs: bool = False  # whether the choices carry their tokens' logprobs
     events: queue.Queue = attrs.field(factory=queue.Queue)
     cancelled: threading.Event = attrs.field(factory=threading.Event)
     enqueued_at: float = attrs.field(factory=time.perf_counter)
     started_at: float | None = None
     first_token_at: float | None = None
     stats: RequestStats = attrs.field(factory=RequestStats)  # the executor's, once started (metrics read it)
-    scanner: StopScanner | None = None
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -214,11 +220,16 @@ class Engine:
         if req.cancelled.is_set():
             self.metrics.finish(req, "cancelled", 0)
             return
-        req.scanner = StopScanner(self.decode, req.stop)
         req.started_at = time.perf_counter()
+        req.stats = RequestStats()  # every candidate's cycles, for the metrics
         self.running = req
+        live = req.best_of == req.n  # choices go out as they are generated; best_of waits for the best
+        candidates = []
         try:
-            result = self._generate(req)
+            for i in range(req.best_of):
+                if req.cancelled.is_set():
+                    break
+                candidates.append(self._generate(req, i, live))
         except DraftflowError as exc:  # RequestError: prompt past the context, ids outside the vocabulary
             self.metrics.finish(req, "error", 0)
             req.events.put(("error", 400, str(exc)))
@@ -229,25 +240,55 @@ class Engine:
             req.events.put(("error", 500, f"internal error while generating: {type(exc).__name__}: {exc}"))
             return
         done = time.perf_counter()
-        info = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(result.token_ids),
-                "stats": {**result.stats, "queue_s": round(req.started_at - req.enqueued_at, 6),
+        generated = sum(len(c.result.token_ids) for c in candidates)
+        stats = candidates[0].result.stats if len(candidates) == 1 else {
+            **req.stats.summary(), "tokens_per_s": round(generated / (done - req.started_at), 3),
+            "choices": [c.result.stats for c in candidates]}
+        info = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
+                "stats": {**stats, "queue_s": round(req.started_at - req.enqueued_at, 6),
                           "latency_s": round(done - req.enqueued_at, 6)}}
-        self.metrics.finish(req, result.finish_reason, len(result.token_ids), done)
-        req.events.put(("done", result.finish_reason, info))
+        chosen = candidates if live else sorted(candidates, key=lambda c: -c.logprob)[:req.n]
+        for index, c in enumerate(chosen):
+            if not live:
+                for _, _, text, pieces in c.deltas:
+                    req.events.put(("delta", index, text, pieces))
+            req.events.put(("finish", index, c.finish, info if index == len(chosen) - 1 else None))
+        reason = "cancelled" if req.cancelled.is_set() else chosen[0].finish
+        self.metrics.finish(req, reason, generated, done)
 
-    def _generate(self, req: ServeRequest):
-        """One request through start/step/finish, streaming deltas; a stop string or a cancel ends it between cycles."""
+    def _generate(self, req: ServeRequest, index: int, live: bool) -> Candidate:
+        """One candidate through start/step/finish, its deltas streamed (``live``) or kept; a stop string or a
+        cancel ends it between cycles."""
         ex = self.executor
-        state = ex.start(req.prompt_ids, req.sampling, req.id)
-        req.stats = state.stats
+        sampling = req.sampling
+        if sampling.seed is not None and index:  # candidate i of a seeded request: seed + i
+            sampling = attrs.evolve(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))
+        state = ex.start(req.prompt_ids, sampling, req.id if index == 0 else f"{req.id}-{index}")
+        scanner = StopScanner(self.decode, req.stop)
+        texts = TokenTexts(self.decode, req.prompt_ids) if sampling.logprobs is not None else None
+        out = Candidate(state)
+        pending: list[TokenText] = []  # pieces of tokens whose text is not sent yet
+
+        def send(text: str, upto: int | None) -> None:
+            nonlocal pending
+            pieces = None
+            if texts is not None:  # the tokens whose text starts in what was sent so far
+                keep = len(pending) if upto is None else sum(p.offset < upto for p in pending)
+                pieces, pending = pending[:keep], pending[keep:]
+                out.kept.extend(pieces)
+            if text or pieces:
+                event = ("delta", index, text, pieces if req.logprobs else None)
+                req.events.put(event) if live else out.deltas.append(event)
+
         reason = None  # None: the executor's own finish (EOS, stop token, max_new_tokens)
         while True:
             (cycle,) = ex.step([state])
             if req.first_token_at is None:
                 req.first_token_at = time.perf_counter()
-            delta, hit = req.scanner.feed(cycle.emitted)
-            if delta:
-                req.events.put(("delta", delta))
+            if texts is not None:
+                pending += [texts.add(lp.token, lp.logprob, lp.top) for lp in new_logprobs(state, len(cycle.emitted))]
+            delta, hit = scanner.feed(cycle.emitted)
+            send(delta, scanner.sent)
             if hit:  # the text ends before the stop string; every committed token still counts
                 reason = "stop"
                 break
@@ -256,7 +297,38 @@ class Engine:
                 break
             if cycle.finish is not None:
                 break
-        tail = "" if reason == "stop" else req.scanner.flush()
-        if tail:
-            req.events.put(("delta", tail))
-        return ex.finish(state, reason, kept=len(req.scanner.ids))
+        if reason != "stop":
+            send(scanner.flush(), None)
+        out.result = ex.finish(state, reason, kept=len(scanner.ids))
+        merge_stats(req.stats, state.stats)
+        out.finish = out.result.finish_reason
+        out.logprob = sum(p.logprob for p in out.kept)
+        return out
+
+
+@attrs.define(eq=False)
+class Candidate:
+    """One generated choice: its result, the deltas kept for later (best_of), its kept tokens' pieces."""
+
+    state: object
+    result: object = None
+    finish: str = ""
+    deltas: list = attrs.field(factory=list)
+    kept: list = attrs.field(factory=list)  # TokenText of the tokens whose text is returned
+    logprob: float = 0.0  # their total logprob (best_of ranks by it)
+
+
+def new_logprobs(state, count: int) -> list:
+    """The engine's TokenLogprob of the ``count`` tokens the last cycle committed."""
+    return list(state.logprobs[len(state.logprobs) - count:]) if count else []
+
+
+def merge_stats(total: RequestStats, part: RequestStats) -> None:
+    """Add one candidate's cycle counts to the request's (n > 1 runs several)."""
+    for name in ("cycles", "drafting_cycles", "drafted", "accepted", "emitted"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    for name in ("accepted_at", "proposed_at"):
+        into, add = getattr(total, name), getattr(part, name)
+        into.extend([0] * (len(add) - len(into)))
+        for i, value in enumerate(add):
+            into[i] += value

@@ -178,8 +178,8 @@ def test_bad_requests_get_json_4xx(served):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="exceeds the context of 2048 tokens"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4000)
-    with pytest.raises(openai.BadRequestError, match="'n' is not supported"):
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be an integer in \[1, 8\]"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=9)
 
 
 def test_disconnect_mid_stream_frees_slot(served):
@@ -266,7 +266,8 @@ def test_worker_steps_and_cancels_between_cycles():
         events = [req.events.get(timeout=60)]
         while events[-1][0] == "delta":
             events.append(req.events.get(timeout=60))
-        return "".join(e[1] for e in events[:-1]), events[-1]
+        last = events[-1]  # ("finish", index, reason, info) -> ("finish", reason, info); ("error", status, message)
+        return "".join(e[2] for e in events[:-1]), (last[0], *last[2:]) if last[0] == "finish" else last
 
     session = Session.open(graph_path=GRAPH)
     sink = Sink()
@@ -277,7 +278,7 @@ def test_worker_steps_and_cancels_between_cycles():
         prompt = session.encode("def fib(n):")
         sink.target = ServeRequest("cmpl-a", prompt, SamplingParams(max_new_tokens=300, ignore_eos=True))
         text, (kind, finish, info) = run(engine, sink.target)
-        assert (kind, finish, info["stats"]["cycles"]) == ("done", "cancelled", 2)
+        assert (kind, finish, info["stats"]["cycles"]) == ("finish", "cancelled", 2)
         assert sink.done[-1]["finish_reason"] == "cancelled" and sink.done[-1]["tokens"] == info["completion_tokens"]
         expected = session.executor.generate(prompt, SamplingParams(max_new_tokens=info["completion_tokens"], ignore_eos=True))
         assert text == expected.text
