@@ -26,11 +26,11 @@ from draftflow.core.manifest import DTYPES
 from draftflow.core.node import CommitInfo, Node, NodeContext, SamplingParams
 from draftflow.core.plan import GraphPlan
 from draftflow.core.ports import TargetOutput, Verdict
-from draftflow.core.request import ActiveRequest, CycleResult, CycleTimer, Result
+from draftflow.core.request import ActiveRequest, CycleResult, CycleTimer, Result, TokenLogprob, active_processors
 from draftflow.core.target import TARGET_HANDLE, TargetHandle
 from draftflow.core.tracing import emit_cycle, emit_request
 
-__all__ = ["ActiveRequest", "CycleResult", "Executor", "Result"]
+__all__ = ["ActiveRequest", "CycleResult", "Executor", "Result", "TokenLogprob"]
 log = structlog.get_logger("draftflow")
 MEMORY_TOLERANCE = 1.10  # measured more than 10% over the declared estimate -> warning
 DRAFT_ROLES = ("drafter", "selector")
@@ -173,11 +173,14 @@ class Executor:
             raise
         times = self._timer.totals_ms()  # node timings of the whole cycle (CUDA events are complete after the sync)
         results = []
-        for req, (accepted, emitted, draft) in zip(states, rows):
+        for req, (accepted, emitted, draft, logprobs) in zip(states, rows):
             position, anchor = req.position, req.anchor
             cut = self._cut(req, emitted)
             req.tokens.extend(cut)
             req.generated.extend(cut)
+            if logprobs is not None:
+                logprobs = tuple(logprobs[:len(cut)])
+                req.logprobs.extend(logprobs)
             t0 = time.perf_counter()
             info = CommitInfo(position, len(draft), accepted, tuple(cut))
             try:
@@ -199,7 +202,8 @@ class Executor:
                 req.request_id, req.cycle, position, anchor, tuple(draft), accepted, tuple(cut),
                 draft_ms=round(sum(times.get(r, 0.0) for r in DRAFT_ROLES), 4),
                 verify_ms=round(times.get("target", 0.0) + times.get("verifier", 0.0), 4),
-                commit_ms=round(commit_ms, 4), fields=fields, finish=req.finish_reason))
+                commit_ms=round(commit_ms, 4), fields=fields, finish=req.finish_reason, logprobs=logprobs,
+                processors=active_processors(req.sampling)))
             req.cycle += 1
         if self.hook is not None:  # after every state is committed: a raising sink leaves them consistent
             for result in results:
@@ -230,7 +234,8 @@ class Executor:
         tokens = state.generated[:kept]
         tokenizer = self.handle.tokenizer
         result = Result(tuple(tokens), tuple(state.tokens[:state.prompt_len]), reason, summary,
-                        tokenizer.decode(tokens) if tokenizer is not None else None)
+                        tokenizer.decode(tokens) if tokenizer is not None else None,
+                        tuple(state.logprobs[:kept]) if state.sampling.logprobs is not None else None)
         if self.hook is not None:
             emit_request(self.hook, {"request_id": state.request_id, "tokens": kept, **summary, "finish_reason": reason})
         return result
@@ -271,8 +276,11 @@ class Executor:
                 values[(name, port)] = value
         return values
 
-    def _read_verdicts(self, states: list[ActiveRequest], values) -> list[tuple[int, list[int], list[int]]]:
-        """(accepted, emitted, drafts) per state, from one packed device-to-host transfer (row i = states[i])."""
+    def _read_verdicts(self, states: list[ActiveRequest], values) -> list[tuple[int, list[int], list[int], list | None]]:
+        """(accepted, emitted, drafts, logprobs) per state, from one packed device-to-host transfer (row i = states[i]).
+
+        ``logprobs`` is None unless the verdict carries them; then it holds one ``TokenLogprob`` per emitted token.
+        """
         b = len(states)
         verdict: Verdict = values[(self.verifier, "verdict")]
         proposal = next((values.get((e.src, e.src_port)) for e in self.plan.inputs_of(self.verifier)
@@ -284,13 +292,29 @@ class Executor:
         if proposal is not None and proposal.tokens.numel():
             k = proposal.tokens.shape[1]
             parts.append(proposal.tokens[:b].to(torch.int64).reshape(-1))
+        n = -1
+        if verdict.logprobs is not None:
+            # Logprobs ride the same transfer: everything as float64, exact for token ids (< 2**53).
+            n = verdict.top_ids.shape[-1]
+            parts = [p.to(torch.float64) for p in parts] + [
+                verdict.logprobs[:b].to(torch.float64).reshape(-1), verdict.top_ids[:b].to(torch.float64).reshape(-1),
+                verdict.top_logprobs[:b].to(torch.float64).reshape(-1)]
         packed = torch.cat(parts).tolist()
         rows = []
+        base = b + b * width + b * k  # the logprob parts start here
         for i in range(b):
-            accepted = packed[i]
-            emitted_row = packed[b + i * width:b + (i + 1) * width]
-            draft = packed[b + b * width + i * k:b + b * width + (i + 1) * k]
-            rows.append((accepted, [t for t in emitted_row[:accepted + 1] if t >= 0], draft))
+            accepted = int(packed[i])
+            emitted_row = [int(t) for t in packed[b + i * width:b + (i + 1) * width]]
+            draft = [int(t) for t in packed[b + b * width + i * k:b + b * width + (i + 1) * k]]
+            emitted = [t for t in emitted_row[:accepted + 1] if t >= 0]
+            logprobs = None
+            if n >= 0:
+                chosen = packed[base + i * width:base + (i + 1) * width]
+                ids_at, lp_at = base + b * width + i * width * n, base + b * width + b * width * n + i * width * n
+                ids, lps = packed[ids_at:ids_at + width * n], packed[lp_at:lp_at + width * n]
+                logprobs = [TokenLogprob(tok, chosen[j], tuple((int(ids[j * n + c]), lps[j * n + c]) for c in range(n)))
+                            for j, tok in enumerate(emitted)]
+            rows.append((accepted, emitted, draft, logprobs))
         return rows
 
     @staticmethod
@@ -315,6 +339,10 @@ class Executor:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); fix the prompt ids")
+            bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+            if bad:
+                raise RequestError(f"sampling field 'logit_bias' names token id {bad[0]}, outside the vocabulary "
+                                   f"[0, {vocab}); use token ids of this model's tokenizer")
         limit = self.kv_tokens
         need = len(prompt_ids) + sampling.max_new_tokens
         if limit is not None and need > limit:

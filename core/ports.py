@@ -58,7 +58,15 @@ class Candidates:
 
 @attrs.define
 class Verdict:
-    """Verifier result. ``accepted``/``emitted`` stay on the device; the executor reads them once."""
+    """Verifier result. Its tensors stay on the device; the executor reads them in one transfer.
+
+    The logprob fields are set only when the request asks for logprobs: row j describes the
+    token emitted at window row j under the processed distribution there (rows past the
+    emitted run hold anything).
+    """
 
     accepted: torch.Tensor  # [B] int64
     emitted: torch.Tensor  # [B, K+1] int64, padded with -1
+    logprobs: torch.Tensor | None = None  # [B, K+1] float32: logprob of the emitted token
+    top_ids: torch.Tensor | None = None  # [B, K+1, N] int64: the N likeliest tokens, best first
+    top_logprobs: torch.Tensor | None = None  # [B, K+1, N] float32: their logprobs

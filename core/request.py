@@ -13,8 +13,29 @@ from typing import Any
 import attrs
 import torch
 
-from draftflow.core.node import RequestState
+from draftflow.core.node import RequestState, SamplingParams
 from draftflow.core.tracing import RequestStats
+
+
+def active_processors(sampling: SamplingParams) -> tuple[str, ...]:
+    """Names of the logit processors a request turns on, in the order they run (the trace's ``processors``)."""
+    names = (("repetition", sampling.repetition_penalty != 1.0), ("presence", bool(sampling.presence_penalty)),
+             ("frequency", bool(sampling.frequency_penalty)), ("logit_bias", bool(sampling.logit_bias)),
+             ("grammar", sampling.grammar is not None), ("min_p", bool(sampling.min_p)))
+    return tuple(name for name, on in names if on)
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One emitted token's logprob under the target's processed distribution, and the ``top`` alternatives.
+
+    ``top`` holds (token id, logprob) pairs, likeliest first; it is empty when the request asked
+    for ``logprobs=0`` (the chosen token only).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen
@@ -24,6 +45,7 @@ class Result:
     finish_reason: str
     stats: dict
     text: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token in token_ids; None unless asked for
 
 
 @attrs.define(eq=False)
@@ -34,6 +56,7 @@ class ActiveRequest(RequestState):
     started: float = 0.0  # perf_counter at start
     carried: dict[tuple[str, str], Any] = attrs.field(factory=dict)  # (node, port) -> value for the next cycle
     generated: list[int] = attrs.field(factory=list)  # committed output tokens
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when the request asks
     stats: RequestStats = attrs.field(factory=RequestStats)
     prefill_marks: tuple[Any, Any] = (0.0, 0.0)  # timer marks around the prefill, read after a sync
     ttft_s: float | None = None  # start to the end of the first cycle
@@ -57,11 +80,15 @@ class CycleResult:
     commit_ms: float
     fields: dict = attrs.field(factory=dict)  # node fields (Node.cycle_fields)
     finish: str | None = None  # "stop" or "length" when this cycle ended the request
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when the request asks
+    processors: tuple[str, ...] = ()  # the request's active logit processors (active_processors)
 
     def event(self) -> dict:
         core = {"request_id": self.request_id, "cycle": self.cycle, "position": self.position, "anchor": self.anchor,
                 "draft": list(self.draft), "accepted": self.accepted, "emitted": list(self.emitted),
                 "draft_ms": self.draft_ms, "verify_ms": self.verify_ms, "commit_ms": self.commit_ms}
+        if self.processors:
+            core["processors"] = list(self.processors)
         return {**core, **{k: v for k, v in self.fields.items() if k not in core}}  # core fields win a name clash
 
 

@@ -41,7 +41,7 @@ def reference(prompt: list[int], n: int, vocab: int) -> list[int]:
 
 
 def target_manifest(params, env):
-    provides = {"target.features"} | ({"kv.grow"} if params["kv_mode"] == "grow" else set())
+    provides = {"target.features", "target.handle"} | ({"kv.grow"} if params["kv_mode"] == "grow" else set())
     return Manifest(
         role="target",
         inputs=(Port("proposal", "proposal", required=False),),
@@ -136,7 +136,7 @@ def draftflow_register_nodes(registry):
         params=(ParamSpec("vocab", "int", 32), ParamSpec("eos", "int_list", []), ParamSpec("context", "int", 512),
                 ParamSpec("kv_mode", "str", "static", choices=("static", "grow")),
                 ParamSpec("weights_bytes", "int", 0), ParamSpec("hidden_bytes", "int", 0)),
-        capabilities=("target.features", "kv.grow"), description="deterministic toy target for engine tests"))
+        capabilities=("target.features", "target.handle", "kv.grow"), description="deterministic toy target for engine tests"))
     registry.add_node_type(NodeType(
         name="toy-drafter", role="drafter", manifest=drafter_manifest, factory=ToyDrafter,
         params=(ParamSpec("vocab", "int", 32), ParamSpec("wrong_at", "int_list", []), ParamSpec("forbid_grow", "bool", False),
