@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 from draftflow.core.errors import CheckError, DraftflowError
-from draftflow.core.generate_options import (add_processor_args, check_logit_bias, logprob_rows, print_logprobs,
-                                             processor_fields)
+from draftflow.core.generate_options import add_processor_args, logprob_rows, print_logprobs, processor_fields
 from draftflow.core.hookspecs import hookimpl
 
 DEFAULT_GRAPH = "demo.yaml"
@@ -251,7 +250,6 @@ def cmd_generate(args) -> int:
     session = Session.open(graph_path=graph_path, graph_dict=shortcut, overrides=overrides, trace=args.trace,
                            registry=registry, threads=args.threads)
     try:
-        check_logit_bias(sampling.logit_bias, session.executor.handle.vocab_size)
         if prompt_ids is None:
             prompt_ids = session.encode(text)
         printer = None

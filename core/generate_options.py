@@ -92,13 +92,6 @@ def processor_fields(args) -> dict:
             "logit_bias": parse_logit_bias(args.logit_bias), "logprobs": args.logprobs, "grammar": grammar}
 
 
-def check_logit_bias(bias, vocab_size: int | None) -> None:
-    """Every --logit-bias id must lie in the target's vocabulary (known once the model is loaded)."""
-    bad = next((t for t, _ in bias if vocab_size and t >= vocab_size), None)
-    if bad is not None:
-        raise DraftflowError(f"--logit-bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
-
-
 def logprob_rows(tokenizer, result) -> list[dict]:
     """generate --json's ``logprobs``: per output token {id, token, logprob, top: [{id, token, logprob}]}."""
     from draftflow.core.openai_logprobs import TokenTexts

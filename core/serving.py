@@ -286,7 +286,7 @@ class Engine:
             if req.first_token_at is None:
                 req.first_token_at = time.perf_counter()
             if texts is not None:
-                pending += [texts.add(lp.token, lp.logprob, lp.top) for lp in new_logprobs(state, len(cycle.emitted))]
+                pending += [texts.add(lp.token, lp.logprob, lp.top) for lp in cycle.logprobs or ()]
             delta, hit = scanner.feed(cycle.emitted)
             send(delta, scanner.sent)
             if hit:  # the text ends before the stop string; every committed token still counts
@@ -316,11 +316,6 @@ class Candidate:
     deltas: list = attrs.field(factory=list)
     kept: list = attrs.field(factory=list)  # TokenText of the tokens whose text is returned
     logprob: float = 0.0  # their total logprob (best_of ranks by it)
-
-
-def new_logprobs(state, count: int) -> list:
-    """The engine's TokenLogprob of the ``count`` tokens the last cycle committed."""
-    return list(state.logprobs[len(state.logprobs) - count:]) if count else []
 
 
 def merge_stats(total: RequestStats, part: RequestStats) -> None:

@@ -68,3 +68,47 @@ def test_plugins_lists_origin(toy_env):
     line = next(l for l in r.stdout.splitlines() if l.startswith("verifier "))
     assert "verifier" in line and "builtin_verifier" in line and "built-in" in line
     assert any(l.startswith("toy-target") and "DRAFTFLOW_PLUGINS" in l for l in r.stdout.splitlines())
+
+
+def test_generate_processor_flags_reach_the_engine(tmp_path):
+    """The penalty, bias, min-p, grammar and --logprobs flags give Session.generate's result with those
+    SamplingParams, speculative (the shipped default graph) as target-only; plain mode prints a logprob line per token."""
+    from helpers import ROOT
+
+    from draftflow.core.node import GrammarSpec, SamplingParams
+    from draftflow.core.session import Session
+
+    graph = ROOT / "graphs" / "default.yaml"
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}}, "required": ["c"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    runs = [(["--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "0.4",
+              "--logit-bias", "457=-100,85=3", "--logprobs", "2"],
+             dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={457: -100, 85: 3},
+                  logprobs=2)),
+            (["--temperature", "1", "--seed", "3", "--min-p", "0.2", "--json-schema", tmp_path / "s.json"],
+             dict(temperature=1.0, seed=3, min_p=0.2, grammar=GrammarSpec("json_schema", json.dumps(schema))))]
+    session = Session.open(graph_path=graph, overrides=["num_draft=0"])
+    try:
+        for flags, fields in runs:
+            r = run_cli(["generate", "--graph", graph, "--prompt", "def fib(n):", "--max-new-tokens", "12", "--json",
+                         *flags])
+            assert r.returncode == 0, r.stderr
+            out = json.loads(r.stdout)
+            ref = session.generate(out["prompt_token_ids"], SamplingParams(max_new_tokens=12, **fields))
+            if fields.get("temperature"):  # sampled: the speculative sample is the in-process speculative one
+                spec = Session.open(graph_path=graph)
+                ref = spec.generate(out["prompt_token_ids"], SamplingParams(max_new_tokens=12, **fields))
+                spec.close()
+                json.loads(out["text"])
+            assert out["token_ids"] == list(ref.token_ids)
+            if "logprobs" in fields:
+                assert [row["logprob"] for row in out["logprobs"]] == [t.logprob for t in ref.logprobs]
+                assert [[a["id"] for a in row["top"]] for row in out["logprobs"]] == [[t for t, _ in x.top]
+                                                                                    for x in ref.logprobs]
+    finally:
+        session.close()
+    plain = run_cli(["generate", "--graph", graph, "--prompt", "def fib(n):", "--max-new-tokens", "5", "--logprobs", "1"])
+    assert plain.returncode == 0, plain.stderr
+    lines = plain.stdout.splitlines()[-5:]
+    assert [line.split()[0] for line in lines] == ["0", "1", "2", "3", "4"] and all(" | " in line for line in lines)

@@ -80,6 +80,22 @@ def _json_unchanged(r, tmp: Path) -> None:
     assert set(out) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "stats"} and len(out["token_ids"]) == 4
 
 
+def _logprobs_json(r, tmp: Path) -> None:
+    """--logprobs 2 --json: one {id, token, logprob, top} row per output token, the token texts adding up to the text."""
+    out = json.loads(r.stdout)
+    rows = out["logprobs"]
+    assert [row["id"] for row in rows] == out["token_ids"] and "".join(row["token"] for row in rows) == out["text"]
+    assert all(len(row["top"]) == 2 and row["logprob"] <= 0 for row in rows), rows
+
+
+def _schema_valid(r, tmp: Path) -> None:
+    doc = json.loads(json.loads(r.stdout)["text"])
+    assert doc in ({"c": "red"}, {"c": "green"}), doc
+
+
+SCHEMA = '{"type": "object", "properties": {"c": {"enum": ["red", "green"]}}, "required": ["c"], "additionalProperties": false}'
+
+
 def _nested_graph(tmp: Path) -> None:
     copy_demo(tmp, "target")
     copy_demo(tmp, "dflash")
@@ -107,6 +123,39 @@ CASES = [
     Case("gen-seed-negative", _gen(PROMPT, "--seed=-1"), r"'seed' is -1"),
     Case("gen-seed-word", _gen(PROMPT, "--seed", "abc"), r"--seed: invalid int value", exit=2),
     Case("gen-seed-max", _gen(PROMPT, "--seed", str(2**63 - 1), "--temperature", "1"), r"\[4 tokens", exit=0),
+    # --- logit processors, structured output, logprobs ---------------------------------------
+    Case("gen-presence-penalty-three", _gen(PROMPT, "--presence-penalty", "3"),
+         r"'presence_penalty' is 3\.0; it must be a number in \[-2, 2\]"),
+    Case("gen-frequency-penalty-nan", _gen(PROMPT, "--frequency-penalty", "nan"), r"'frequency_penalty' is nan"),
+    Case("gen-repetition-penalty-zero", _gen(PROMPT, "--repetition-penalty", "0"),
+         r"'repetition_penalty' is 0\.0; it must be a number in \(0, 100\]"),
+    Case("gen-repetition-penalty-word", _gen(PROMPT, "--repetition-penalty", "lots"),
+         r"--repetition-penalty: invalid float value", exit=2),
+    Case("gen-min-p-two", _gen(PROMPT, "--min-p", "2"), r"'min_p' is 2\.0; it must be a number in \[0, 1\]"),
+    Case("gen-logit-bias-no-equals", _gen(PROMPT, "--logit-bias", "42"),
+         r"--logit-bias '42': expected ID=BIAS\[,ID=BIAS\.\.\.\]"),
+    Case("gen-logit-bias-word-id", _gen(PROMPT, "--logit-bias", "the=5"), r"--logit-bias 'the=5': expected ID=BIAS"),
+    Case("gen-logit-bias-word-bias", _gen(PROMPT, "--logit-bias", "42=up"), r"--logit-bias '42=up': expected"),
+    Case("gen-logit-bias-trailing-comma-item", _gen(PROMPT, "--logit-bias", "42=1,=3"), r"--logit-bias '42=1,=3'"),
+    Case("gen-logit-bias-200", _gen(PROMPT, "--logit-bias", "42=200"), r"'logit_bias' is .*numbers in \[-100, 100\]"),
+    Case("gen-logit-bias-outside-vocab", _gen(PROMPT, "--logit-bias", "99999=1"),
+         r"'logit_bias' names token id 99999, outside the vocabulary \[0, \d+\)"),
+    Case("gen-json-schema-missing", _gen(PROMPT, "--json-schema", "{tmp}/none.json"),
+         r"--json-schema .*none\.json: no such file"),
+    Case("gen-json-schema-directory", _gen(PROMPT, "--json-schema", "{tmp}"), r"--json-schema .*: cannot read it"),
+    Case("gen-json-schema-not-json", _gen(PROMPT, "--json-schema", "s.json"), r"--json-schema s\.json: not valid JSON",
+         files={"s.json": "{nope"}),
+    Case("gen-json-schema-array", _gen(PROMPT, "--json-schema", "s.json"), r"a JSON schema is an object .*not list",
+         files={"s.json": "[1, 2]"}),
+    Case("gen-json-schema-bad-type", _gen(PROMPT, "--json-schema", "s.json"), r"'grammar' \(json_schema\): .*no-such-type",
+         files={"s.json": '{"type": "no-such-type"}'}),
+    Case("gen-regex-unclosed", _gen(PROMPT, "--regex", "(ab"), r"'grammar' \(regex\): invalid regex"),
+    Case("gen-regex-empty", _gen(PROMPT, "--regex", ""), r"--regex is empty"),
+    Case("gen-two-grammars", _gen(PROMPT, "--json-object", "--regex", "a+"), r"--json-object and --regex each constrain"),
+    Case("gen-logprobs-21", _gen(PROMPT, "--logprobs", "21"), r"'logprobs' is 21; it must be an integer in \[0, 20\]"),
+    Case("gen-logprobs-json", _gen(PROMPT, "--logprobs", "2", "--json"), r'"logprobs": \[', exit=0, check=_logprobs_json),
+    Case("gen-json-schema-file", ["generate", PROMPT, "--json-schema", "s.json", "--max-new-tokens", "40", "--json"],
+         r'"finish_reason": "stop"', exit=0, files={"s.json": SCHEMA}, check=_schema_valid),
     # --- prompts ---------------------------------------------------------------------------
     Case("gen-no-prompt", ["generate"], r"no prompt: pass PROMPT, --prompt TEXT or --prompt-ids"),
     Case("gen-prompt-twice", _gen(PROMPT, "--prompt", "x"), r"give the prompt once"),
