@@ -1,10 +1,10 @@
 """The OpenAI-compatible request and response shapes of `draftflow serve`.
 
-``Api.parse`` turns a decoded JSON body into token ids, ``SamplingParams`` and stop
-strings, or raises ``ApiError`` naming the field; the response builders produce the
-objects the OpenAI clients expect. Chat prompts are rendered with the model's own Jinja
-chat template (``tokenizer_config.json`` ``chat_template``, or ``chat_template.jinja``).
-Field-by-field reference: docs/SERVING.md.
+``Api.parse`` turns a decoded JSON body into token ids, ``SamplingParams`` (logit
+processors and a grammar included), stop strings and the choices wanted (n, best_of), or
+raises ``ApiError`` naming the field; the response builders produce the objects the OpenAI
+clients expect. Chat prompts are rendered with the model's own chat template
+(core/chat_template.py). Field-by-field reference: docs/SERVING.md.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import json
 import math
 import re
 import time
-from pathlib import Path
 
 import attrs
 
+from draftflow.core.chat_template import ChatTemplate, TemplateError
 from draftflow.core.errors import DraftflowError, RequestError
 from draftflow.core.node import MAX_LOGPROBS, MAX_SEED, GrammarSpec, SamplingParams
 from draftflow.core.openai_logprobs import choice_logprobs
@@ -60,67 +60,6 @@ class Parsed:
     best_of: int = 1  # candidates generated (completions); the n with the highest total logprob are returned
     logprobs: int | None = None  # alternatives per token shown in the response; None: no logprobs in it
     grammar_param: str | None = None  # the request field that asked for a grammar (errors name it)
-
-
-def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
-    # Hugging Face templates expect plain json.dumps, not Jinja's HTML-escaping tojson.
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message):
-    raise ApiError(400, f"the chat template refused the messages: {message}", param="messages")
-
-
-class ChatTemplate:
-    """A model's chat template, compiled once in a sandboxed Jinja environment."""
-
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        self.template = env.from_string(source)
-        self.bos_token, self.eos_token = bos_token, eos_token
-
-    @classmethod
-    def from_model_dir(cls, path: str | None) -> ChatTemplate | None:
-        """The template of a Hugging Face model directory, or None when it ships none."""
-        if not path or not Path(path).is_dir():
-            return None
-        root = Path(path)
-        config = {}
-        if (root / "tokenizer_config.json").is_file():
-            try:
-                config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise DraftflowError(f"{root / 'tokenizer_config.json'}: unreadable JSON ({exc}); fix or remove the file") from None
-        source = config.get("chat_template")
-        if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-        if (root / "chat_template.jinja").is_file():
-            source = (root / "chat_template.jinja").read_text(encoding="utf-8")
-        if not source:
-            return None
-
-        def token(key):
-            value = config.get(key) or ""
-            return value.get("content", "") if isinstance(value, dict) else str(value)
-
-        return cls(source, token("bos_token"), token("eos_token"))
-
-    def render(self, messages: list[dict], kwargs: dict) -> str:
-        """The prompt text. The request's ``chat_template_kwargs`` override our defaults (as in vLLM), so
-        ``{"add_generation_prompt": false}`` continues the last message; ``messages`` comes only from its field."""
-        variables = {"add_generation_prompt": True, "bos_token": self.bos_token, "eos_token": self.eos_token,
-                     "tools": None, **kwargs, "messages": messages}
-        try:
-            return self.template.render(variables)
-        except ApiError:  # raise_exception() in the template
-            raise
-        except Exception as exc:  # noqa: BLE001 - the template ran on the request's data: a request error
-            raise ApiError(400, f"rendering the chat template failed: {type(exc).__name__}: {exc}",
-                           param="messages") from None
 
 
 def _finite(value) -> bool:
@@ -359,7 +298,11 @@ class Api:
         if self.chat_template is None:
             raise ApiError(400, "this model has no chat template (no 'chat_template' in tokenizer_config.json and no "
                                 "chat_template.jinja next to it); use /v1/completions or add a template", param="messages")
-        return self._encode(self.chat_template.render(clean, kwargs), "messages")
+        try:
+            text = self.chat_template.render(clean, kwargs)
+        except TemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        return self._encode(text, "messages")
 
 
 # --- responses ----------------------------------------------------------------------------

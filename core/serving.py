@@ -227,9 +227,11 @@ class Engine:
         candidates = []
         try:
             for i in range(req.best_of):
+                candidates.append(self._generate(req, i, live))
                 if req.cancelled.is_set():
                     break
-                candidates.append(self._generate(req, i, live))
+                if live and i < req.best_of - 1:  # the last choice's finish carries the request's info
+                    req.events.put(("finish", i, candidates[-1].finish, None))
         except DraftflowError as exc:  # RequestError: prompt past the context, ids outside the vocabulary
             self.metrics.finish(req, "error", 0)
             req.events.put(("error", 400, str(exc)))
@@ -247,12 +249,15 @@ class Engine:
         info = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
                 "stats": {**stats, "queue_s": round(req.started_at - req.enqueued_at, 6),
                           "latency_s": round(done - req.enqueued_at, 6)}}
-        chosen = candidates if live else sorted(candidates, key=lambda c: -c.logprob)[:req.n]
-        for index, c in enumerate(chosen):
-            if not live:
+        if live:
+            req.events.put(("finish", len(candidates) - 1, candidates[-1].finish, info))
+            chosen = candidates
+        else:  # best_of: the n likeliest candidates, best first
+            chosen = sorted(candidates, key=lambda c: -c.logprob)[:req.n]
+            for index, c in enumerate(chosen):
                 for _, _, text, pieces in c.deltas:
                     req.events.put(("delta", index, text, pieces))
-            req.events.put(("finish", index, c.finish, info if index == len(chosen) - 1 else None))
+                req.events.put(("finish", index, c.finish, info if index == len(chosen) - 1 else None))
         reason = "cancelled" if req.cancelled.is_set() else chosen[0].finish
         self.metrics.finish(req, reason, generated, done)
 

@@ -186,7 +186,6 @@ def test_response_format_json(served):
 
 def test_bad_parameters_name_the_field(served):
     """Out-of-range values of the new fields are 400s whose param names the field."""
-    client = served["client"]
     for fields, param in (({"n": 5}, "n"), ({"best_of": 5}, "best_of"), ({"presence_penalty": 2.5}, "presence_penalty"),
                           ({"logit_bias": {"10000000": 1}}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
                           ({"extra_body": {"min_p": -0.1}}, "min_p"),

@@ -193,6 +193,10 @@ CASES = [
      400, "guided_regex", r"ask for one output format"),
     ("guided-regex-empty", "POST", CP, C(guided_regex=""), 400, "guided_regex", r"'guided_regex' must be a non-empty"),
     ("guided-json-not-json", "POST", CP, C(guided_json="{nope"), 400, "guided_json", r"'guided_json' is not valid JSON"),
+    ("guided-regex-unclosed", "POST", CP, C(guided_regex="(ab"), 400, "guided_regex", r"invalid regex"),
+    ("guided-grammar-broken", "POST", CP, C(guided_grammar="start: ::="), 400, "guided_grammar", r"\(lark\)"),
+    ("response-format-schema-bad-type", "POST", CH, H(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}), 400, "response_format", r"\(json_schema\): .*no-such-type"),
     ("echo-true", "POST", CP, C(echo=True), 400, "echo", r"'echo' is not supported"),
     ("stream-string", "POST", CP, C(stream="yes"), 400, "stream", r"'stream' must be true or false"),
     ("stream-options-string", "POST", CP, C(stream=True, stream_options="x"), 400, "stream_options", r"an object"),
