@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.processors import LogitProcessor
 from draftflow.layers.sampling import sample
 from draftflow.plugin import (
     EMBED_BUFFER,
@@ -113,6 +114,9 @@ class DFlash2(DFlash):
         hidden, logits = drafted  # [1, K, H], [1, K, V]
         # Codebooks may be narrower than a padded target head: never propose an id without a row.
         logits = logits[..., :self.config2.vocab_size]
+        if req.sampling.has_processors:  # penalties and bias (committed prefix only) pick and weigh the candidates
+            self.processor = LogitProcessor.follow(getattr(self, "processor", None), req, logits.shape[-1], logits.device)
+            logits = self.processor.process(logits)
         scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [1, K, M] each, best first
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector)}
 
@@ -218,3 +222,11 @@ def draftflow_target_params(plugin, params, target):
     if plugin != "dflash2" or not params.get("path"):
         return None
     return {"tap_layers": list(read_config(params["path"]).base.target_layer_ids)}
+
+
+@hookimpl
+def draftflow_shortcut_defaults(plugin, params):
+    """`--dflash2 D` drafts its backbone's trained block (as `--dflash`, see its hook)."""
+    if plugin != "dflash2" or not params.get("path"):
+        return None
+    return {"num_draft": read_config(params["path"]).base.block_size - 1}

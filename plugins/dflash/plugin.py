@@ -34,6 +34,7 @@ from draftflow.plugin import (
     wrong_target_check,
 )
 from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.processors import LogitProcessor
 from draftflow.layers.sampling import filter_logits, sample
 from draftflow.plugins.dflash.config import kv_shape, weight_bytes
 from draftflow.plugins.dflash.graphs import DraftRunner
@@ -173,9 +174,12 @@ class DFlash(Node):
             return {"proposal": Proposal(torch.empty(1, 0, dtype=torch.long, device=self.ctx.device))}
         _, logits = drafted  # [1, K, V]
         s = req.sampling
+        if s.has_processors:  # the request's penalties and bias (committed prefix only): higher acceptance
+            self.processor = LogitProcessor.follow(getattr(self, "processor", None), req, logits.shape[-1], logits.device)
+            logits = self.processor.process(logits)
         if s.temperature == 0:
             return {"proposal": Proposal(logits.argmax(dim=-1))}
-        q = filter_logits(logits, s.temperature, s.top_k, s.top_p)  # [1, K, V]
+        q = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)  # [1, K, V]: the q the drafts come from
         return {"proposal": Proposal(sample(q, generator=req.generator), probs=q)}
 
     def commit(self, req, info):
@@ -233,3 +237,12 @@ def draftflow_target_params(plugin, params, target):
     if plugin != "dflash" or not params.get("path"):
         return None
     return {"tap_layers": list(read_config(params["path"]).target_layer_ids)}
+
+
+@hookimpl
+def draftflow_shortcut_defaults(plugin, params):
+    """`--dflash D` drafts the block the drafter was trained on: a shorter block is attended
+    non-causally, so its rows differ from the trained ones (and accept less)."""
+    if plugin != "dflash" or not params.get("path"):
+        return None
+    return {"num_draft": read_config(params["path"]).block_size - 1}
