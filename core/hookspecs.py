@@ -55,6 +55,23 @@ def draftflow_target_params(plugin, params, target):
     """
 
 
+@hookspec
+def draftflow_shortcut_defaults(plugin, params):
+    """Say which graph-level values a shortcut graph with a node of your plugin should default to.
+
+    ``draftflow generate --target T --dflash D`` asks for each drafter node, e.g. DFlash
+    answers ``{"num_draft": block_size - 1}`` (the block shape it was trained on). Several
+    answers for one key: the largest wins (a mixer of lookup and DFlash drafts DFlash's
+    block). Explicit flags (``--spec``, ``--set``) are applied afterwards and always win.
+
+    :param plugin: the node type name (answer only for your own node types).
+    :param params: the node's params as given (not yet validated).
+    :return: a dict of top-level graph keys to integers (today only ``num_draft``), or
+        None. All implementations are called; a ``DraftflowError`` raised here is dropped
+        (the node's own check reports it).
+    """
+
+
 # --- trace ----------------------------------------------------------------------------
 @hookspec
 def draftflow_cycle_event(event):

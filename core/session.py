@@ -66,7 +66,9 @@ def shortcut_graph(args, registry: Registry | None = None) -> dict:
     (free when it matches), then DFlash2, DFlash, MTP. Paths are used as given: the CLI has
     made them absolute (relative to the working directory). What a drafter needs of the
     target (DFlash: its trained tap layers; MTP: the last layer) is asked of the plugins
-    through ``draftflow_target_params``; core knows no plugin.
+    through ``draftflow_target_params``, and graph-level defaults (DFlash: num_draft =
+    block_size - 1, the shape it was trained on) through ``draftflow_shortcut_defaults``;
+    core knows no plugin. `--spec` / `--set` are overrides applied to this dict later: they win.
     """
     target = {"plugin": "target", "params": {"path": args.target}}
     nodes = {"target": target}
@@ -87,9 +89,13 @@ def shortcut_graph(args, registry: Registry | None = None) -> dict:
             from draftflow.core.registry import load_registry
 
             registry = load_registry()
-        _merge_target_params(target["params"], [n for name, n in nodes.items() if name != "target"], registry)
+        drafter_nodes = [n for name, n in nodes.items() if name != "target"]
+        _merge_target_params(target["params"], drafter_nodes, registry)
+        defaults = _shortcut_defaults(drafter_nodes, registry)
+    else:
+        defaults = {}
     nodes["verify"] = {"plugin": "verifier", "params": {}}
-    graph = {"name": "generate", "nodes": nodes, "edges": []}
+    graph = {"name": "generate", **defaults, "nodes": nodes, "edges": []}
     if len(drafters) > 1:
         ports = [chr(ord("a") + i) for i in range(len(drafters))]
         nodes["mix"] = {"plugin": "mixer", "params": {"inputs": ports}}
@@ -132,6 +138,38 @@ def _merge_target_params(params: dict, nodes: list[dict], registry: Registry) ->
                     params[key] = have + [v for v in value if v not in have]
                 else:
                     params.setdefault(key, value)
+
+
+# Graph-level keys a plugin may default in a shortcut graph (draftflow_shortcut_defaults).
+SHORTCUT_DEFAULT_KEYS = ("num_draft",)
+
+
+def _shortcut_defaults(nodes: list[dict], registry: Registry) -> dict:
+    """Ask every plugin for graph-level defaults per drafter node; for each key the largest answer wins.
+
+    The largest, because a mixer drafts one K for all its inputs: lookup (no answer) and
+    DFlash together get DFlash's trained block, which lookup can always fill or shorten.
+    """
+    out: dict = {}
+    for node in nodes:
+        where = f"draftflow_shortcut_defaults for a {node['plugin']!r} node"
+        try:
+            answers = registry.pm.hook.draftflow_shortcut_defaults(plugin=node["plugin"], params=dict(node["params"]))
+        except (DraftflowError, OSError):
+            continue
+        except Exception as exc:  # a plugin's bug: name the hook, not a traceback
+            raise PluginError(f"a plugin failed in {where}: {type(exc).__name__}: {exc}; "
+                              f"report it to the plugin's author") from exc
+        for answer in filter(None, answers):
+            if not isinstance(answer, dict):
+                raise PluginError(f"a plugin answered {where} with {type(answer).__name__}, not a dict; "
+                                  f"report it to the plugin's author")
+            for key, value in answer.items():
+                if key not in SHORTCUT_DEFAULT_KEYS or isinstance(value, bool) or not isinstance(value, int):
+                    raise PluginError(f"a plugin answered {where} with {key}={value!r}; only integer "
+                                      f"{' / '.join(SHORTCUT_DEFAULT_KEYS)} may be defaulted; report it to the plugin's author")
+                out[key] = max(out.get(key, value), value)
+    return out
 
 
 class Session:
