@@ -8,6 +8,11 @@ checks whether the request was cancelled (client gone, server closing), and ends
 request with ``finish`` (which sends the ``request_done`` event and produces the summary).
 A request the worker abandons (an error mid-cycle) is replaced by the next ``start``,
 which re-prefills every node, so the executor stays usable.
+
+A request for ``n`` choices (or ``best_of`` candidates) runs them one after another, candidate
+i seeded ``seed + i``; each prefills the prompt again (one live request at a time: no shared
+prefill before batching). With logprobs asked for (or needed to rank ``best_of``), each delta
+carries the logprobs of the tokens whose text it releases (core/openai_logprobs.py).
 """
 
 from __future__ import annotations
@@ -271,7 +276,7 @@ class Engine:
         state = ex.start(req.prompt_ids, sampling, req.id if index == 0 else f"{req.id}-{index}")
         scanner = StopScanner(self.decode, req.stop)
         texts = TokenTexts(self.decode, req.prompt_ids) if sampling.logprobs is not None else None
-        out = Candidate(state)
+        out = Candidate()
         pending: list[TokenText] = []  # pieces of tokens whose text is not sent yet
 
         def send(text: str, upto: int | None) -> None:
@@ -315,8 +320,7 @@ class Engine:
 class Candidate:
     """One generated choice: its result, the deltas kept for later (best_of), its kept tokens' pieces."""
 
-    state: object
-    result: object = None
+    result: object = None  # the executor's Result
     finish: str = ""
     deltas: list = attrs.field(factory=list)
     kept: list = attrs.field(factory=list)  # TokenText of the tokens whose text is returned
