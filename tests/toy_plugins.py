@@ -41,7 +41,8 @@ def reference(prompt: list[int], n: int, vocab: int) -> list[int]:
 
 
 def target_manifest(params, env):
-    provides = {"target.features", "target.handle"} | ({"kv.grow"} if params["kv_mode"] == "grow" else set())
+    provides = {"target.features"} | ({"kv.grow"} if params["kv_mode"] == "grow" else set())
+    provides |= {"target.handle"} if params["handle"] else set()
     return Manifest(
         role="target",
         inputs=(Port("proposal", "proposal", required=False),),
@@ -135,7 +136,8 @@ def draftflow_register_nodes(registry):
         name="toy-target", role="target", manifest=target_manifest, factory=ToyTarget,
         params=(ParamSpec("vocab", "int", 32), ParamSpec("eos", "int_list", []), ParamSpec("context", "int", 512),
                 ParamSpec("kv_mode", "str", "static", choices=("static", "grow")),
-                ParamSpec("weights_bytes", "int", 0), ParamSpec("hidden_bytes", "int", 0)),
+                ParamSpec("weights_bytes", "int", 0), ParamSpec("hidden_bytes", "int", 0),
+                ParamSpec("handle", "bool", True, "provide target.handle (false: a target without the interface)")),
         capabilities=("target.features", "target.handle", "kv.grow"), description="deterministic toy target for engine tests"))
     registry.add_node_type(NodeType(
         name="toy-drafter", role="drafter", manifest=drafter_manifest, factory=ToyDrafter,

@@ -318,7 +318,8 @@ CASES = [
     Case("check-needs-target-handle-target-lacks-it", ["check", "{tmp}/g.yaml"],
          r"node 'd' \(toy-drafter\) \[capability\]: needs the target's interface \('target\.handle'.*\), which target 'target' "
          r"\(toy-target\) does not provide; fix: use a target plugin that provides 'target\.handle'",
-         files=_toy_graph("{requires: [target.handle]}"), toy=True, lines=2),
+         files=_toy_graph("{requires: [target.handle]}", target="  target: {plugin: toy-target, params: {handle: false}}\n"),
+         toy=True, lines=3),  # the verifier needs the interface too
     Case("check-reads-unowned-buffer", ["check", "{tmp}/g.yaml"],
          r"node 'd' \(toy-drafter\) \[buffer-missing\]: reads buffer 'draft_cache', which no node owns; fix: add the node",
          files=_toy_graph("{reads: [draft_cache]}"), toy=True, lines=2),
