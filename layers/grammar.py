@@ -87,7 +87,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise _fail(spec.kind, _one_line(matcher.get_error(), spec.kind))
-        return GrammarMatcher(matcher, self.tokenizer.vocab_size, self.vocab_size, self.eos_ids)
+        return GrammarMatcher(matcher, spec.kind, self.tokenizer.vocab_size, self.vocab_size, self.eos_ids)
 
     def _grammar_text(self, spec) -> str:
         kind, source = spec.kind, spec.source
@@ -119,11 +119,12 @@ class GrammarMatcher:
     ``allowed`` advances over drafts and rolls them back before returning.
     """
 
-    def __init__(self, matcher, tokenizer_size: int, vocab_size: int, eos_ids: tuple[int, ...]):
+    def __init__(self, matcher, kind: str, tokenizer_size: int, vocab_size: int, eos_ids: tuple[int, ...]):
         self._matcher = matcher
         self._eos_ids = frozenset(eos_ids)
-        self._tokenizer_size = tokenizer_size  # columns llguidance writes
         self._vocab_size = vocab_size
+        self._width = min(tokenizer_size, vocab_size)  # ids that can be allowed at all
+        self._kind = kind
         self._words = (tokenizer_size + 31) // 32
         self._bits = np.zeros((1, self._words), dtype=np.int32)  # [rows, words], grown on demand
         # The last window's drafts and how many got a real mask row, so commit can check
@@ -166,8 +167,11 @@ class GrammarMatcher:
         if advanced and not self._matcher.rollback(advanced):
             raise RuntimeError(f"grammar engine: rolling back {advanced} drafts failed: {self._matcher.get_error()}")
         real = advanced + 1
-        out = torch.ones(rows, self._vocab_size, dtype=torch.bool)
-        out[:real] = self._unpack(bits[:real])
+        out = torch.empty(rows, self._vocab_size, dtype=torch.bool)
+        flags = np.unpackbits(bits[:real].view(np.uint8), axis=1, bitorder="little")  # [real, 32 * words] 0/1
+        out[:real, :self._width] = torch.from_numpy(flags[:, :self._width].view(np.bool_))
+        out[:real, self._width:] = False  # ids past the tokenizer (a padded LM head)
+        out[real:] = True
         if ended:  # after EOS a finished grammar allows only EOS again
             out[real:] = False
             out[real:, list(self._eos_ids)] = True
@@ -196,15 +200,8 @@ class GrammarMatcher:
         """Write the current position's mask into ``row`` ([words] int32)."""
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if self._matcher.is_error():
-            raise RequestError(f"sampling field 'grammar': the grammar engine stopped: "
-                               f"{_one_line(self._matcher.get_error(), 'lark')}; simplify the grammar")
+            raise RequestError(f"sampling field 'grammar' ({self._kind}): the grammar engine stopped: "
+                               f"{_one_line(self._matcher.get_error(), self._kind)}; simplify the grammar")
 
     def _bit(self, row: np.ndarray, token: int) -> bool:
-        return 0 <= token < self._tokenizer_size and bool((int(row[token >> 5]) >> (token & 31)) & 1)
-
-    def _unpack(self, bits: np.ndarray) -> torch.Tensor:  # [rows, words] int32 -> [rows, V] bool
-        flags = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-        n = min(self._tokenizer_size, self._vocab_size)
-        out = torch.zeros(bits.shape[0], self._vocab_size, dtype=torch.bool)
-        out[:, :n] = torch.from_numpy(flags[:, :n].astype(bool))
-        return out
+        return 0 <= token < self._width and bool((int(row[token >> 5]) >> (token & 31)) & 1)
