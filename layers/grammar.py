@@ -103,9 +103,12 @@ class GrammarCompiler:
             schema = json.loads(source)
         except json.JSONDecodeError as e:
             raise _fail(kind, f"the schema is not valid JSON ({e})") from None
-        if not isinstance(schema, dict):
-            name = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(schema), "number")
+        if not isinstance(schema, (dict, bool)):  # true / false are JSON Schemas too (any value / none)
+            name = {list: "array", str: "string", type(None): "null"}.get(type(schema), "number")
             raise _fail(kind, f"the schema is a JSON {name}, not an object")
+        if schema is False:
+            raise _fail(kind, "the schema `false` allows no document")
+        schema = {} if schema is True else schema
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         except ValueError as e:

@@ -203,6 +203,13 @@ def test_each_kind_accepts_its_language(compiler, tok, kind, source, text):
     assert all(rows[j, t] for j, t in enumerate(ids + [EOS]))
 
 
+def test_schema_true_allows_any_json_value(compiler, tok):
+    """The boolean schema `true` compiles and allows any JSON value, an array included."""
+    ids = _ids(tok, '[1,"a",null]')
+    rows = compiler.compile(GrammarSpec("json_schema", "true")).allowed(ids + [EOS])
+    assert all(rows[j, t] for j, t in enumerate(ids + [EOS]))
+
+
 def test_json_object_forbids_a_non_object(compiler, tok):
     """json_object allows '{' first and neither '[' nor a digit."""
     row = compiler.compile(GrammarSpec("json_object")).allowed([])[0]
@@ -216,6 +223,7 @@ def test_json_object_forbids_a_non_object(compiler, tok):
     ("json_schema", '{"type": "widget"}', r"'grammar' \(json_schema\): Invalid type: widget; fix the schema"),
     ("json_schema", '{"type": "string", "pattern": "a(b"}', r"'grammar' \(json_schema\): .*unclosed group"),
     ("json_schema", "  ", r"'grammar' \(json_schema\): the source is empty"),
+    ("json_schema", "false", r"'grammar' \(json_schema\): the schema `false` allows no document; fix the schema"),
     ("regex", "a(b", r"'grammar' \(regex\): invalid regex .*unclosed group; fix the pattern"),
     ("lark", "start: missing_rule", r"'grammar' \(lark\): line 1, column 8: unknown name: \"missing_rule\"; fix the grammar"),
 ])
