@@ -223,6 +223,7 @@ def test_json_object_forbids_a_non_object(compiler, tok):
     ("json_schema", '{"type": "widget"}', r"'grammar' \(json_schema\): Invalid type: widget; fix the schema"),
     ("json_schema", '{"type": "string", "pattern": "a(b"}', r"'grammar' \(json_schema\): .*unclosed group"),
     ("json_schema", "  ", r"'grammar' \(json_schema\): the source is empty"),
+    ("json_schema", '{"type": "array", "uniqueItems": true}', r"'grammar' \(json_schema\): Unimplemented keys: \[\"uniqueItems\"\]"),
     ("json_schema", "false", r"'grammar' \(json_schema\): the schema `false` allows no document; fix the schema"),
     ("regex", "a(b", r"'grammar' \(regex\): invalid regex .*unclosed group; fix the pattern"),
     ("lark", "start: missing_rule", r"'grammar' \(lark\): line 1, column 8: unknown name: \"missing_rule\"; fix the grammar"),
