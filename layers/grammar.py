@@ -70,22 +70,19 @@ class GrammarCompiler:
     """
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
-        if not eos_ids:
-            raise ValueError("GrammarCompiler needs at least one EOS id: a grammar ends by allowing only EOS")
+        self.eos_ids = tuple(int(e) for e in eos_ids if 0 <= e < vocab_size)
+        if not self.eos_ids:
+            raise RequestError("sampling field 'grammar': the target has no EOS token id in its vocabulary, so a "
+                               "grammar could never end; set eos_token_id in the model's generation_config.json")
         data = json.loads(hf_tokenizer.to_str())
         data["padding"] = data["truncation"] = None  # llguidance tokenizes single strings
         self.vocab_size = vocab_size
-        self.eos_ids = tuple(eos_ids)
         self.tokenizer = llguidance.LLTokenizer(json.dumps(data), eos_token=list(self.eos_ids))
 
     def compile(self, spec) -> GrammarMatcher:
         """Build the matcher for ``spec`` (a ``GrammarSpec``); RequestError naming the field when it cannot."""
-        grammar = self._grammar_text(spec)
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if problem:
-            raise _fail(spec.kind, _one_line(problem, spec.kind))
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
+        matcher = llguidance.LLMatcher(self.tokenizer, self._grammar_text(spec), log_level=0)
+        if matcher.is_error():  # llguidance reports a grammar it cannot compile this way, never by raising
             raise _fail(spec.kind, _one_line(matcher.get_error(), spec.kind))
         return GrammarMatcher(matcher, spec.kind, self.tokenizer.vocab_size, self.vocab_size, self.eos_ids)
 

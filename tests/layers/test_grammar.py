@@ -246,3 +246,9 @@ def test_commit_off_the_last_window_is_checked_against_real_masks(compiler, tok)
     matcher.allowed([c, d])  # its row 1 (after c) allows d; after a it must not
     with pytest.raises(RuntimeError, match=f"committed token {d} \\(token 1 of this commit\\)"):
         matcher.commit([a, d])
+
+
+def test_a_target_without_eos_cannot_take_a_grammar(tok):
+    """A grammar ends by allowing only EOS: no EOS id in the vocabulary is a RequestError naming 'grammar'."""
+    with pytest.raises(RequestError, match=r"sampling field 'grammar': the target has no EOS token id"):
+        GrammarCompiler(tok, VOCAB, (VOCAB + 5,))
