@@ -173,3 +173,15 @@ def test_masking_the_drafter_keeps_documents_valid_and_accepts_more(executors, p
     _assert_valid_documents(masked)
     rate = [sum(r.stats["accepted"] for r in rs) / sum(r.stats["drafted"] for r in rs) for rs in (plain, masked)]
     assert rate[1] > rate[0] + 0.1, f"acceptance unmasked {rate[0]:.3f}, masked {rate[1]:.3f}"
+
+
+def test_ignore_eos_pads_a_finished_document_with_eos(executors, prompts):
+    """With ignore_eos a complete document is followed by EOS only, speculative equal to target-only."""
+    eos = executors["target-only"].handle.eos_ids[0]
+    ref = _generate(executors["target-only"], prompts[:3], ignore_eos=True)
+    spec = _generate(executors["dflash"], prompts[:3], ignore_eos=True)
+    for r, s in zip(ref, spec):
+        assert r.finish_reason == "length" and s.token_ids == r.token_ids
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        first = r.token_ids.index(eos)
+        assert set(r.token_ids[first:]) == {eos}
