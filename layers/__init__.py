@@ -10,7 +10,9 @@
 - ``fused``: the small pieces (RMSNorm, add + norm, q/k-norm + RoPE, SiLU gate) plain,
   torch.compile'd or Triton (``Kernels``), and ``fuse_projections``.
 - ``config``: the decoder config (config.json / GGUF header); ``gguf_names``: HF <-> GGUF names.
-- ``sampling``: temperature / top-k / top-p filtering and sampling.
+- ``sampling``: temperature / top-k / top-p / min-p filtering and sampling; ``processors``: penalties,
+  logit bias and grammar masks over a verify window, each row given the drafts before it.
+- ``grammar``: structured output through llguidance (``GrammarCompiler`` / ``GrammarMatcher``).
 
 Modules are imported by name (``from draftflow.layers.norm import RMSNorm``), so importing
 one does not load Triton or the others.
