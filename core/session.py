@@ -121,23 +121,34 @@ def _merge_target_params(params: dict, nodes: list[dict], registry: Registry) ->
             except (DraftflowError, OSError):
                 info = None
     for node in nodes:
-        try:
-            answers = registry.pm.hook.draftflow_target_params(plugin=node["plugin"], params=dict(node["params"]), target=info)
-        except (DraftflowError, OSError):
-            continue
-        except Exception as exc:  # a plugin's bug: name the hook, not a traceback
-            raise PluginError(f"a plugin failed in draftflow_target_params for a {node['plugin']!r} node: "
-                              f"{type(exc).__name__}: {exc}; report it to the plugin's author") from exc
-        for answer in filter(None, answers):
-            if not isinstance(answer, dict):
-                raise PluginError(f"a plugin answered draftflow_target_params for a {node['plugin']!r} node with "
-                                  f"{type(answer).__name__}, not a dict; report it to the plugin's author")
+        for answer in _ask(registry, "draftflow_target_params", node, target=info):
             for key, value in answer.items():
                 if isinstance(value, (list, tuple)):
                     have = list(params.get(key) or [])
                     params[key] = have + [v for v in value if v not in have]
                 else:
                     params.setdefault(key, value)
+
+
+def _ask(registry: Registry, hook: str, node: dict, **kwargs) -> list[dict]:
+    """A compose hook's answers for one shortcut-graph node (dicts; None answers dropped).
+
+    A ``DraftflowError``/``OSError`` (unreadable files) means no answer: the node's own check
+    reports it. A crash or a non-dict answer is a plugin bug: one ``PluginError`` line.
+    """
+    where = f"{hook} for a {node['plugin']!r} node"
+    try:
+        answers = getattr(registry.pm.hook, hook)(plugin=node["plugin"], params=dict(node["params"]), **kwargs)
+    except (DraftflowError, OSError):
+        return []
+    except Exception as exc:  # a plugin's bug: name the hook, not a traceback
+        raise PluginError(f"a plugin failed in {where}: {type(exc).__name__}: {exc}; "
+                          "report it to the plugin's author") from exc
+    for answer in filter(None, answers):
+        if not isinstance(answer, dict):
+            raise PluginError(f"a plugin answered {where} with {type(answer).__name__}, not a dict; "
+                              "report it to the plugin's author")
+    return [a for a in answers if a]
 
 
 # Graph-level keys a plugin may default in a shortcut graph (draftflow_shortcut_defaults).
@@ -153,17 +164,7 @@ def _shortcut_defaults(nodes: list[dict], registry: Registry) -> dict:
     out: dict = {}
     for node in nodes:
         where = f"draftflow_shortcut_defaults for a {node['plugin']!r} node"
-        try:
-            answers = registry.pm.hook.draftflow_shortcut_defaults(plugin=node["plugin"], params=dict(node["params"]))
-        except (DraftflowError, OSError):
-            continue
-        except Exception as exc:  # a plugin's bug: name the hook, not a traceback
-            raise PluginError(f"a plugin failed in {where}: {type(exc).__name__}: {exc}; "
-                              f"report it to the plugin's author") from exc
-        for answer in filter(None, answers):
-            if not isinstance(answer, dict):
-                raise PluginError(f"a plugin answered {where} with {type(answer).__name__}, not a dict; "
-                                  f"report it to the plugin's author")
+        for answer in _ask(registry, "draftflow_shortcut_defaults", node):
             for key, value in answer.items():
                 if key not in SHORTCUT_DEFAULT_KEYS or isinstance(value, bool) or not isinstance(value, int):
                     raise PluginError(f"a plugin answered {where} with {key}={value!r}; only integer "
