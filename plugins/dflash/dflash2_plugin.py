@@ -87,6 +87,7 @@ class DFlash2(DFlash):
     """DFlash's node (binding, feature ingest, block forward) on the DFlash2 model; emits candidates."""
 
     KIND = "dflash2"
+    GRAMMAR_DRAFTS = False  # the selector picks the drafts from the candidates; only the verifier masks them
 
     def __init__(self, ctx):
         Node.__init__(self, ctx)
@@ -94,6 +95,7 @@ class DFlash2(DFlash):
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.cache = KVCache.from_static(ctx.buffers["dflash2_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
         self.runner = None  # DraftRunner, built on first use
+        self.matcher = None  # DFlash's grammar matcher, never built here (GRAMMAR_DRAFTS)
         self._bind()
 
     def _bind(self) -> None:

@@ -8,6 +8,13 @@ the same state contract as the target's KV cache.
 
 The target's embedding and LM head are declared reads (`target_embed`, `target_head`) of
 buffers the target owns; the executor builds the target first and hands them over.
+
+A request with a grammar gets drafts the grammar allows: the node keeps its own matcher for
+the request and picks the K drafts row by row, row j masked by what the grammar allows after
+the committed tokens and drafts[:j] (the drafter was not trained on the grammar and keeps
+proposing tokens the masked target must reject). The K rows come to the host once per cycle;
+the Proposal's q is the masked distribution each draft was drawn from, so rejection sampling
+stays exact. Requests without a grammar never leave the device.
 """
 
 from __future__ import annotations
@@ -74,8 +81,16 @@ def manifest(params, env) -> Manifest:
     )
 
 
+def grammar_compiler(handle):
+    """The grammar engine's compiler for the target's tokenizer (imported only when a request has a grammar)."""
+    from draftflow.layers.grammar import GrammarCompiler
+
+    return GrammarCompiler(handle.hf_tokenizer, handle.vocab_size, tuple(handle.eos_ids))
+
+
 class DFlash(Node):
     KIND = "dflash"  # the node type named in messages (subclasses reuse the block forward)
+    GRAMMAR_DRAFTS = True  # mask the drafts with the request's grammar (DFlash2's candidates go to a selector instead)
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -84,6 +99,9 @@ class DFlash(Node):
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
         self.runner = None  # DraftRunner, built on first use
+        self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused
+        self.matcher = None  # the live request's GrammarMatcher (None: no grammar)
+        self.host_generator: torch.Generator | None = None  # draws grammar-masked drafts on the host
         self._bind()
 
     def tensors(self):
@@ -107,6 +125,13 @@ class DFlash(Node):
     @torch.inference_mode()
     def prefill(self, req):
         self.cache.commit(0)
+        self.matcher = None
+        if req.sampling.grammar is not None and self.GRAMMAR_DRAFTS:
+            if self.compiler is None:
+                self.compiler = grammar_compiler(self.ctx.target)
+            self.matcher = self.compiler.compile(req.sampling.grammar)
+            gen = req.generator  # masked drafts are sampled on the host: a CPU generator, seeded from the request's
+            self.host_generator = gen if gen.device.type == "cpu" else torch.Generator().manual_seed(gen.initial_seed())
         return {}
 
     def _ingest(self, rows: torch.Tensor, start: int) -> None:
@@ -177,13 +202,48 @@ class DFlash(Node):
         if s.has_processors:  # the request's penalties and bias (committed prefix only): higher acceptance
             self.processor = LogitProcessor.follow(getattr(self, "processor", None), req, logits.shape[-1], logits.device)
             logits = self.processor.process(logits)
+        if self.matcher is not None:
+            return {"proposal": self._grammar_proposal(req, logits)}
         if s.temperature == 0:
             return {"proposal": Proposal(logits.argmax(dim=-1))}
         q = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)  # [1, K, V]: the q the drafts come from
         return {"proposal": Proposal(sample(q, generator=req.generator), probs=q)}
 
+    def _grammar_proposal(self, req, logits: torch.Tensor) -> Proposal:
+        """Drafts picked one row at a time, row j masked by the grammar after the committed tokens and drafts[:j]:
+        the masked argmax (T = 0) or a draw from the masked, filtered q (T > 0), which the Proposal carries.
+        Drafting stops after an EOS draft (the output ends there)."""
+        # logits: [1, K, V] processed (penalties, bias)
+        s = req.sampling
+        rows = logits[0].float().cpu()  # [K, V]: the cycle's one host sync, all rows at once
+        vocab = rows.shape[-1]
+        eos = () if s.ignore_eos else self.ctx.target.eos_ids
+        mask = torch.zeros(vocab, dtype=torch.bool)  # [V]
+        drafts: list[int] = []
+        probs = []  # [V] per draft
+        for j in range(rows.shape[0]):
+            allowed = self.matcher.allowed(drafts)[-1]  # [V_grammar] bool: after the committed tokens and drafts[:j]
+            width = min(vocab, allowed.shape[0])
+            mask[:width] = allowed[:width]
+            row = rows[j].masked_fill(~mask, float("-inf"))  # [V]
+            if s.temperature == 0:
+                drafts.append(int(row.argmax()))
+            else:
+                q = filter_logits(row, s.temperature, s.top_k, s.top_p, s.min_p)  # [V]
+                drafts.append(int(sample(q, generator=self.host_generator)))
+                probs.append(q)
+            if drafts[-1] in eos:
+                break
+        device = self.ctx.device
+        tokens = torch.tensor([drafts], dtype=torch.long).to(device, non_blocking=True)  # [1, K']
+        if not probs:
+            return Proposal(tokens)
+        return Proposal(tokens, probs=torch.stack(probs)[None].to(device, non_blocking=True))  # [1, K', V]
+
     def commit(self, req, info):
         # Block K/V were never committed; the next step's features start exactly at cache.length.
+        if self.matcher is not None:
+            self.matcher.commit(info.emitted)
         return {}
 
 

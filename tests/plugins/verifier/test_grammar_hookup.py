@@ -17,6 +17,7 @@ from test_processors_exact import DEMO, DRAFTERS, executor
 from draftflow.core.errors import RequestError
 from draftflow.core.node import GrammarSpec, SamplingParams
 from draftflow.core.registry import load_registry
+from draftflow.plugins.dflash import plugin as dflash_plugin
 from draftflow.plugins.verifier import plugin as verifier_plugin
 
 VOCAB = 2048
@@ -66,6 +67,8 @@ def compiler(monkeypatch):
     fake = FakeCompiler()
     seen_handles = []
     monkeypatch.setattr(verifier_plugin, "grammar_compiler", lambda handle: seen_handles.append(handle) or fake)
+    # The DFlash node masks its drafts with its own matcher: the same fake grammar there too.
+    monkeypatch.setattr(dflash_plugin, "grammar_compiler", lambda handle: seen_handles.append(handle) or fake)
     fake.handles = seen_handles
     return fake
 

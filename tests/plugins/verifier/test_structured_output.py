@@ -15,7 +15,7 @@ from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import load_graph
 from draftflow.layers.grammar import GrammarCompiler
-from draftflow.plugin import Proposal, RequestError
+from draftflow.plugin import RequestError
 from draftflow.testing import target_only
 
 DEMO = ROOT / "graphs" / "models" / "demo"
@@ -93,20 +93,38 @@ def test_target_only_documents_validate(reference):
     assert len({r.text for r in reference}) >= 5, "the prompts should give different documents"
 
 
+@pytest.fixture(scope="module")
+def speculative(executors, prompts):
+    """Greedy documents with drafts, per drafter (generated once, on first use)."""
+    cache = {}
+
+    def get(drafter):
+        if drafter not in cache:
+            cache[drafter] = _generate(executors[drafter], prompts)
+        return cache[drafter]
+
+    return get
+
+
+def _acceptance(results) -> float:
+    return sum(r.stats["accepted"] for r in results) / sum(r.stats["drafted"] for r in results)
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "dflash"])
-def test_speculative_documents_validate_and_equal_target_only(executors, prompts, reference, drafter):
+def test_speculative_documents_validate_and_equal_target_only(speculative, reference, drafter):
     """With drafts, all 50 greedy documents validate and are token for token the target-only ones."""
-    results = _generate(executors[drafter], prompts)
+    results = speculative(drafter)
     _assert_valid_documents(results)
     for i, (r, ref) in enumerate(zip(results, reference)):
         assert r.token_ids == ref.token_ids, f"document {i}: {r.text!r} vs target-only {ref.text!r}"
     assert sum(r.stats["drafted"] for r in results) > 0
 
 
-def test_dflash_accepts_drafts_under_the_grammar(executors, prompts):
-    """DFlash drafts are still accepted with the grammar on (the mask does not reject everything)."""
-    results = _generate(executors["dflash"], prompts[:10])
-    assert sum(r.stats["accepted"] for r in results) > 0
+def test_dflash_drafts_follow_the_grammar(speculative):
+    """DFlash masks its drafts with the grammar: greedy acceptance over the 50 documents is 0.50 on the
+    demo (0.03 when the drafter ignored the grammar)."""
+    rate = _acceptance(speculative("dflash"))
+    assert rate > 0.4, f"acceptance {rate:.3f} with the grammar on"
 
 
 @pytest.mark.parametrize("drafter", ["target-only", "dflash"])
@@ -134,45 +152,44 @@ def test_an_invalid_schema_fails_the_request_naming_the_field(executors, prompts
     assert executors["dflash"].generate(prompts[0], SamplingParams(max_new_tokens=4)).token_ids  # still serves
 
 
-def _grammar_masked_drafter(executor, monkeypatch):
-    """Prototype of drafter masking (not in plugins/dflash): DFlash's q at draft j is masked by the grammar
-    given the committed tokens and drafts[:j], renormalised and sampled; the masked q goes to the verifier."""
-    node, handle = executor.nodes["drafter"], executor.handle
-    compiler = GrammarCompiler(handle.hf_tokenizer, handle.vocab_size, handle.eos_ids)
-    live = {"id": None}
+def test_sampled_drafts_come_from_the_masked_q(executors, prompts, monkeypatch):
+    """At T = 1 every DFlash draft is allowed after the drafts before it, the Proposal's q is that row's
+    distribution restricted to the grammar (zero outside, sums to 1), no draft follows an EOS draft,
+    documents validate and acceptance stays high (0.50 over the 50 documents on the demo)."""
+    executor, handle = executors["dflash"], executors["dflash"].handle
+    node, proposals = executor.nodes["drafter"], []
     step = node.step
 
-    def masked_step(req, inputs):
+    def recording_step(req, inputs):  # observes the node's proposals, changes nothing
         out = step(req, inputs)
-        if live["id"] != req.request_id:
-            live.update(id=req.request_id, matcher=compiler.compile(req.sampling.grammar), seen=req.prompt_len)
-        matcher = live["matcher"]
-        matcher.commit(req.tokens[live["seen"]:])
-        live["seen"] = len(req.tokens)
-        q = out["proposal"].probs  # [1, K, V]
-        drafts, rows = [], []
-        for j in range(q.shape[1]):
-            allowed = matcher.allowed(drafts)[j]  # [V]
-            row = q[0, j] * allowed
-            row = row / row.sum() if row.sum() > 0 else allowed / allowed.sum()
-            drafts.append(int(torch.multinomial(row, 1, generator=req.generator)))
-            rows.append(row)
-        masked = torch.stack(rows)[None] if rows else q
-        out["proposal"] = Proposal(torch.tensor([drafts], dtype=torch.long).reshape(1, -1), probs=masked)
+        proposals.append(out["proposal"])
         return out
 
-    monkeypatch.setattr(node, "step", masked_step)
-
-
-def test_masking_the_drafter_keeps_documents_valid_and_accepts_more(executors, prompts, monkeypatch):
-    """Prototype: masking DFlash's q with the grammar still gives valid documents and raises acceptance."""
-    sampling = {"temperature": 1.0, "seed": 11}
-    plain = _generate(executors["dflash"], prompts[:10], **sampling)
-    _grammar_masked_drafter(executors["dflash"], monkeypatch)
-    masked = _generate(executors["dflash"], prompts[:10], **sampling)
-    _assert_valid_documents(masked)
-    rate = [sum(r.stats["accepted"] for r in rs) / sum(r.stats["drafted"] for r in rs) for rs in (plain, masked)]
-    assert rate[1] > rate[0] + 0.1, f"acceptance unmasked {rate[0]:.3f}, masked {rate[1]:.3f}"
+    monkeypatch.setattr(node, "step", recording_step)
+    compiler = GrammarCompiler(handle.hf_tokenizer, handle.vocab_size, handle.eos_ids)
+    params = SamplingParams(grammar=GRAMMAR, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=11)
+    results, checked = [], 0
+    for prompt in prompts[:10]:
+        matcher, state = compiler.compile(GRAMMAR), executor.start(prompt, params)
+        while state.finish_reason is None:
+            proposals.clear()
+            cycle = executor.step([state])[0]
+            proposal = proposals[0]
+            drafts = proposal.tokens[0].tolist()
+            assert list(cycle.draft) == drafts
+            allowed = matcher.allowed(drafts)  # [K+1, V]
+            q = proposal.probs[0]  # [K, V]
+            for j, d in enumerate(drafts):
+                assert allowed[j, d], f"draft {j} ({d}) is not allowed after drafts {drafts[:j]}"
+                assert float(q[j][~allowed[j, :q.shape[1]]].abs().sum()) == 0.0
+                assert abs(float(q[j].sum()) - 1.0) < 1e-5 and float(q[j, d]) > 0
+                assert d not in handle.eos_ids or j == len(drafts) - 1, f"drafts go on after EOS: {drafts}"
+                checked += 1
+            matcher.commit(cycle.emitted)
+        results.append(executor.finish(state))
+    _assert_valid_documents(results)
+    assert checked > 100
+    assert _acceptance(results) > 0.35, f"acceptance {_acceptance(results):.3f} at T = 1 with the grammar on"
 
 
 def test_ignore_eos_pads_a_finished_document_with_eos(executors, prompts):
