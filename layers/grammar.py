@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import llguidance
 import numpy as np
@@ -178,6 +178,45 @@ class GrammarMatcher:
             real = rows
         self._drafts, self._masks = drafts[:real - 1], out[:real]
         return out
+
+    def walk(self, choose: Callable[[int, torch.Tensor], int | None], max_tokens: int) -> list[int]:
+        """Pick up to ``max_tokens`` tokens one at a time (a drafter masking its drafts), in O(picks) mask reads.
+
+        ``choose(j, allowed)`` gets the tokens allowed after the committed tokens and the picks
+        before ([V] bool, CPU) and returns an allowed token, or None to stop. The walk ends after an
+        EOS pick. The matcher advances over the picks and rolls them back before returning, as
+        ``allowed`` does; ``commit`` then reuses the masks read here.
+        """
+        if self._bits.shape[0] < max_tokens:
+            self._bits = np.zeros((max_tokens, self._words), dtype=np.int32)
+        picks: list[int] = []
+        masks: list[torch.Tensor] = []  # [V] bool per pick
+        advanced = 0
+        try:
+            for j in range(max_tokens):
+                bits = self._bits[j]
+                self._fill(bits)
+                mask = torch.zeros(self._vocab_size, dtype=torch.bool)  # ids past the tokenizer stay False
+                flags = np.unpackbits(bits.view(np.uint8), bitorder="little")[:self._width]
+                mask[:self._width] = torch.from_numpy(flags.view(np.bool_))
+                token = choose(j, mask)
+                if token is None:
+                    break
+                if not self._bit(bits, token):
+                    raise ValueError(f"GrammarMatcher.walk: pick {j} ({token}) is not an allowed token")
+                picks.append(token)
+                masks.append(mask)
+                if token in self._eos_ids:  # not consumed, as in allowed()
+                    break
+                if not self._matcher.consume_token(token):
+                    raise RuntimeError(f"grammar engine: pick {token} passed the mask but was refused: "
+                                       f"{self._matcher.get_error()}")
+                advanced += 1
+        finally:
+            if advanced and not self._matcher.rollback(advanced):
+                raise RuntimeError(f"grammar engine: rolling back {advanced} picks failed: {self._matcher.get_error()}")
+        self._drafts, self._masks = tuple(picks), (torch.stack(masks) if masks else None)
+        return picks
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance over tokens the verifier emitted; each must be allowed where it stands."""

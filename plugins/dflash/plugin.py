@@ -217,23 +217,20 @@ class DFlash(Node):
         s = req.sampling
         rows = logits[0].float().cpu()  # [K, V]: the cycle's one host sync, all rows at once
         vocab = rows.shape[-1]
-        eos = () if s.ignore_eos else self.ctx.target.eos_ids
         mask = torch.zeros(vocab, dtype=torch.bool)  # [V]
-        drafts: list[int] = []
         probs = []  # [V] per draft
-        for j in range(rows.shape[0]):
-            allowed = self.matcher.allowed(drafts)[-1]  # [V_grammar] bool: after the committed tokens and drafts[:j]
+
+        def choose(j: int, allowed: torch.Tensor) -> int:  # allowed: [V_grammar] bool, after drafts[:j]
             width = min(vocab, allowed.shape[0])
             mask[:width] = allowed[:width]
             row = rows[j].masked_fill(~mask, float("-inf"))  # [V]
             if s.temperature == 0:
-                drafts.append(int(row.argmax()))
-            else:
-                q = filter_logits(row, s.temperature, s.top_k, s.top_p, s.min_p)  # [V]
-                drafts.append(int(sample(q, generator=self.host_generator)))
-                probs.append(q)
-            if drafts[-1] in eos:
-                break
+                return int(row.argmax())
+            q = filter_logits(row, s.temperature, s.top_k, s.top_p, s.min_p)  # [V]
+            probs.append(q)
+            return int(sample(q, generator=self.host_generator))
+
+        drafts = self.matcher.walk(choose, rows.shape[0])
         device = self.ctx.device
         tokens = torch.tensor([drafts], dtype=torch.long).to(device, non_blocking=True)  # [1, K']
         if not probs:

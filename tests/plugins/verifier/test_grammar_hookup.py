@@ -45,6 +45,15 @@ class FakeMatcher:
                 previous = drafts[j]
         return rows
 
+    def walk(self, choose, max_tokens: int) -> list[int]:  # a drafter's row-by-row picks (GrammarMatcher.walk)
+        picks = []
+        for j in range(max_tokens):
+            token = choose(j, self.allowed(picks)[-1])
+            if token is None:
+                break
+            picks.append(token)
+        return picks
+
     def commit(self, tokens: Sequence[int]) -> None:
         for tok in tokens:
             assert legal(self.history[-1] if self.history else None, tok), f"committed illegal token {tok}"
