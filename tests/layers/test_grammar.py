@@ -252,3 +252,38 @@ def test_a_target_without_eos_cannot_take_a_grammar(tok):
     """A grammar ends by allowing only EOS: no EOS id in the vocabulary is a RequestError naming 'grammar'."""
     with pytest.raises(RequestError, match=r"sampling field 'grammar': the target has no EOS token id"):
         GrammarCompiler(tok, VOCAB, (VOCAB + 5,))
+
+
+def test_walk_masks_equal_allowed_rows_and_roll_back(compiler, tok):
+    """walk hands `choose` the same rows allowed(picks) gives, stops after EOS, and leaves the matcher as it was."""
+    ids = _ids(tok, json.dumps(DOC, separators=(",", ":")))
+    matcher = compiler.compile(_schema())
+    matcher.commit(ids[:3])
+    script = ids[3:9]
+    seen = []
+
+    def choose(j, mask):
+        seen.append(mask.clone())
+        return script[j] if j < len(script) else None
+
+    before = matcher.allowed([])[0]
+    picks = matcher.walk(choose, max_tokens=len(script) + 2)
+    assert picks == script and len(seen) == len(script) + 1  # the row after the last pick was offered, then None
+    rows = compiler.compile(_schema())
+    rows.commit(ids[:3])
+    expected = rows.allowed(script)
+    for j, mask in enumerate(seen):
+        assert torch.equal(mask, expected[j]), f"row {j}"
+    assert torch.equal(matcher.allowed([])[0], before)  # rolled back
+    assert matcher.walk(lambda j, mask: EOS if mask[EOS] else None, 3) in ([], [EOS])
+    matcher.commit(script)  # reuses the walked masks; still a valid prefix
+    assert torch.equal(matcher.allowed([])[0], expected[len(script)])
+
+
+def test_walk_refuses_a_pick_outside_the_mask(compiler, tok):
+    matcher = compiler.compile(_schema())
+    forbidden = int((~matcher.allowed([])[0]).nonzero()[0])
+    with pytest.raises(ValueError, match="not an allowed token"):
+        matcher.walk(lambda j, mask: forbidden, 2)
+    first = _ids(tok, "{")[0]
+    assert matcher.walk(lambda j, mask: first if j == 0 else None, 2) == [first]  # still usable after the refusal
