@@ -48,7 +48,7 @@ from draftflow.plugins.dflash.config import kv_shape
 from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
-from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, tap_layer_check, trained_for
+from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, shortcut_hooks, tap_layer_check, trained_for
 from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
@@ -168,8 +168,13 @@ class Top1Selector(Node):
         return {"proposal": Proposal(cand.ids.gather(-1, pick[..., None])[..., 0], probs=q, candidate_ids=cand.ids)}
 
 
-check_tap_layers = tap_layer_check("dflash2", lambda path: read_config(path).base.target_layer_ids)
-check_target = wrong_target_check("dflash2", lambda params: trained_for(read_config(params["path"]).base))
+def backbone(path: str):
+    """The DFlash config of a DFlash2 artifact's block drafter."""
+    return read_config(path).base
+
+
+check_tap_layers = tap_layer_check("dflash2", lambda path: backbone(path).target_layer_ids)
+check_target = wrong_target_check("dflash2", lambda params: trained_for(backbone(params["path"])))
 
 
 def check_selector_source(plan):
@@ -218,17 +223,4 @@ def draftflow_add_checks(registry):
     registry.add_check("dflash2-unused", check_candidates_used)
 
 
-@hookimpl
-def draftflow_target_params(plugin, params, target):
-    """A shortcut graph's target taps the layers the drafter's backbone was trained on."""
-    if plugin != "dflash2" or not params.get("path"):
-        return None
-    return {"tap_layers": list(read_config(params["path"]).base.target_layer_ids)}
-
-
-@hookimpl
-def draftflow_shortcut_defaults(plugin, params):
-    """`--dflash2 D` drafts its backbone's trained block (as `--dflash`, see its hook)."""
-    if plugin != "dflash2" or not params.get("path"):
-        return None
-    return {"num_draft": read_config(params["path"]).base.block_size - 1}
+draftflow_target_params, draftflow_shortcut_defaults = shortcut_hooks("dflash2", backbone)

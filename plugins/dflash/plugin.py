@@ -288,18 +288,25 @@ def draftflow_add_checks(registry):
     registry.add_check("dflash-target", check_target)
 
 
-@hookimpl
-def draftflow_target_params(plugin, params, target):
-    """A shortcut graph's target taps the layers the drafter was trained on (DFlash and DFlash2 alike)."""
-    if plugin != "dflash" or not params.get("path"):
-        return None
-    return {"tap_layers": list(read_config(params["path"]).target_layer_ids)}
+def shortcut_hooks(kind: str, backbone):
+    """The two compose hooks of a block drafter plugin `kind`; ``backbone(path)`` reads its DFlashConfig.
+
+    A shortcut graph's target taps the layers the drafter was trained on, and the graph drafts
+    the trained block: a shorter block is attended non-causally, so its rows differ from the
+    trained ones (and accept less).
+    """
+
+    def draftflow_target_params(plugin, params, target):
+        if plugin != kind or not params.get("path"):
+            return None
+        return {"tap_layers": list(backbone(params["path"]).target_layer_ids)}
+
+    def draftflow_shortcut_defaults(plugin, params):
+        if plugin != kind or not params.get("path"):
+            return None
+        return {"num_draft": backbone(params["path"]).block_size - 1}
+
+    return hookimpl(draftflow_target_params), hookimpl(draftflow_shortcut_defaults)
 
 
-@hookimpl
-def draftflow_shortcut_defaults(plugin, params):
-    """`--dflash D` drafts the block the drafter was trained on: a shorter block is attended
-    non-causally, so its rows differ from the trained ones (and accept less)."""
-    if plugin != "dflash" or not params.get("path"):
-        return None
-    return {"num_draft": read_config(params["path"]).block_size - 1}
+draftflow_target_params, draftflow_shortcut_defaults = shortcut_hooks("dflash", read_config)
