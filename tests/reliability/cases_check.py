@@ -136,6 +136,8 @@ def _toy_graph(params: str, target: str = TOY_TARGET) -> dict:
 
 
 CASES = [
+    Case("check-warmup-tokens-negative", ["check", DEMO_GRAPH, "--set", "nodes.target.warmup_tokens=-1"],
+         r"parameter 'warmup_tokens': -1 is below the minimum 0", lines=2),
     # --- a report of many problems is capped ------------------------------------------------------------
     Case("check-many-bad-edges-capped", ["check", "{tmp}/edges.yaml"], r"^error: 2000 problems in .*edges\.yaml:\n",
          setup=_many_bad_edges, toy=True, lines=52, check=_capped),

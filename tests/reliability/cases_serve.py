@@ -15,6 +15,7 @@ CASES = [
     Case("serve-port-negative", ["serve", G, "--port", "-1"], r"--port -1 is outside 0\.\.65535"),
     Case("serve-port-not-a-number", ["serve", G, "--port", "http"], r"argument --port: invalid int value: 'http'", exit=2),
     Case("serve-max-waiting-negative", ["serve", G, "--max-waiting", "-1"], r"--max-waiting is -1; it must be at least 1"),
+    Case("serve-max-n-zero", ["serve", G, "--max-n", "0"], r"--max-n is 0; it must be at least 1"),
     Case("serve-max-waiting-zero", ["serve", G, "--max-waiting", "0"], r"--max-waiting is 0; it must be at least 1"),
     Case("serve-max-body-bytes-zero", ["serve", G, "--max-body-bytes", "0"], r"--max-body-bytes is 0; it must be at least 1"),
     Case("serve-max-tokens-limit-zero", ["serve", G, "--max-tokens-limit", "0"], r"--max-tokens-limit is 0"),
