@@ -96,6 +96,7 @@ class DFlash2(DFlash):
         self.cache = KVCache.from_static(ctx.buffers["dflash2_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
         self.runner = None  # DraftRunner, built on first use
         self.matcher = None  # DFlash's grammar matcher, never built here (GRAMMAR_DRAFTS)
+        self.processor = None  # the request's LogitProcessor, following req.tokens (LogitProcessor.follow)
         self._bind()
 
     def _bind(self) -> None:
@@ -117,7 +118,7 @@ class DFlash2(DFlash):
         # Codebooks may be narrower than a padded target head: never propose an id without a row.
         logits = logits[..., :self.config2.vocab_size]
         if req.sampling.has_processors:  # penalties and bias (committed prefix only) pick and weigh the candidates
-            self.processor = LogitProcessor.follow(getattr(self, "processor", None), req, logits.shape[-1], logits.device)
+            self.processor = LogitProcessor.follow(self.processor, req, logits.shape[-1], logits.device)
             logits = self.processor.process(logits)
         scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [1, K, M] each, best first
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector)}

@@ -101,6 +101,7 @@ class DFlash(Node):
         self.runner = None  # DraftRunner, built on first use
         self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused
         self.matcher = None  # the live request's GrammarMatcher (None: no grammar)
+        self.processor = None  # the request's LogitProcessor, following req.tokens (LogitProcessor.follow)
         self.host_generator: torch.Generator | None = None  # draws grammar-masked drafts on the host
         self._bind()
 
@@ -200,7 +201,7 @@ class DFlash(Node):
         _, logits = drafted  # [1, K, V]
         s = req.sampling
         if s.has_processors:  # the request's penalties and bias (committed prefix only): higher acceptance
-            self.processor = LogitProcessor.follow(getattr(self, "processor", None), req, logits.shape[-1], logits.device)
+            self.processor = LogitProcessor.follow(self.processor, req, logits.shape[-1], logits.device)
             logits = self.processor.process(logits)
         if self.matcher is not None:
             return {"proposal": self._grammar_proposal(req, logits)}
