@@ -28,8 +28,22 @@ DTYPES = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-# Symbolic dimension resolved by the VRAM planner: the KV capacity in tokens.
+# Symbolic dimensions resolved by the VRAM planner: the KV capacity in tokens per request ("kv_tokens", or
+# "kv_tokens+N" for N cells of slack past it, e.g. a verify window's padding), and the request slots ("batch").
 KV_TOKENS = "kv_tokens"
+BATCH = "batch"
+_KV_DIM = re.compile(r"^kv_tokens(?:\+(\d+))?$")
+
+
+def kv_slack(dim) -> int | None:
+    """N for a "kv_tokens+N" dimension (0 for "kv_tokens"); None when `dim` is not a KV dimension."""
+    m = _KV_DIM.match(dim) if isinstance(dim, str) else None
+    return None if m is None else int(m.group(1) or 0)
+
+
+def kv_dim(slack: int = 0) -> str:
+    """The shape entry for the planned KV capacity plus `slack` cells: "kv_tokens" or "kv_tokens+N"."""
+    return KV_TOKENS if slack == 0 else f"{KV_TOKENS}+{slack}"
 _NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _CAPABILITY = re.compile(r"^[a-z0-9_.>=<-]+$")
 
@@ -65,7 +79,9 @@ class Port:
 class BufferSpec:
     """A tensor a node owns: allocated by the executor from this description.
 
-    ``shape`` entries are ints or the symbol ``"kv_tokens"`` (resolved by the planner).
+    ``shape`` entries are ints or symbols the planner resolves: ``"kv_tokens"`` (the KV capacity per
+    request; ``"kv_tokens+N"`` adds N cells, ``kv_dim(N)``) and ``"batch"`` (the request slots,
+    ``max_batch``: a per-request buffer puts it first and request r owns row ``r.slot``).
     ``preallocate=False`` marks a buffer the node grows itself (counted at its maximum).
     ``of_weights=True`` marks a view of the node's own weights (the target's embedding and LM
     head): declared so that readers and writers are checked, never allocated by the executor,
@@ -84,22 +100,37 @@ class BufferSpec:
     @shape.validator
     def _check_shape(self, attribute, value):
         for dim in value:
-            if not (dim == KV_TOKENS or (isinstance(dim, int) and dim >= 0)):
-                raise ValueError(f"buffer {self.name!r} dimension {dim!r} must be an int >= 0 or {KV_TOKENS!r}")
+            if not (dim == BATCH or kv_slack(dim) is not None or (isinstance(dim, int) and dim >= 0)):
+                raise ValueError(f"buffer {self.name!r} dimension {dim!r} must be an int >= 0, {KV_TOKENS!r}, "
+                                 f"'{KV_TOKENS}+N' or {BATCH!r}")
 
-    def resolved_shape(self, kv_tokens: int | None) -> tuple[int, ...]:
-        if KV_TOKENS in self.shape and kv_tokens is None:
+    @property
+    def per_token(self) -> bool:
+        """True when the buffer has a KV dimension (its size follows the planned capacity)."""
+        return any(kv_slack(d) is not None for d in self.shape)
+
+    def resolved_shape(self, kv_tokens: int | None, batch: int = 1) -> tuple[int, ...]:
+        if self.per_token and kv_tokens is None:
             raise ValueError(f"buffer {self.name!r} needs a KV capacity that was not planned")
-        return tuple(kv_tokens if d == KV_TOKENS else d for d in self.shape)
+        out = []
+        for d in self.shape:
+            slack = kv_slack(d)
+            out.append(batch if d == BATCH else d if slack is None else kv_tokens + slack)
+        return tuple(out)
 
-    def bytes_per_kv_token(self) -> int:
+    def bytes_per_kv_token(self, batch: int = 1) -> int:
         """Bytes this buffer adds per token of KV capacity (0 if it has no kv_tokens dim)."""
-        if KV_TOKENS not in self.shape:
+        if not self.per_token:
             return 0
-        return math.prod(1 if d == KV_TOKENS else d for d in self.shape) * _itemsize(self.dtype)
+        dims = [batch if d == BATCH else 1 if kv_slack(d) is not None else d for d in self.shape]
+        return math.prod(dims) * _itemsize(self.dtype)
 
-    def nbytes(self, kv_tokens: int | None) -> int:
-        return math.prod(self.resolved_shape(kv_tokens)) * _itemsize(self.dtype)
+    def nbytes(self, kv_tokens: int | None, batch: int = 1) -> int:
+        return math.prod(self.resolved_shape(kv_tokens, batch)) * _itemsize(self.dtype)
+
+    def fixed_bytes(self, batch: int = 1) -> int:
+        """Bytes independent of the KV capacity: the whole buffer without a KV dim, else its slack cells."""
+        return self.nbytes(0, batch) if self.per_token else self.nbytes(None, batch)
 
 
 def _itemsize(dtype: str) -> int:
@@ -178,8 +209,8 @@ class Manifest:
     def output(self, name: str) -> Port | None:
         return next((p for p in self.outputs if p.name == name), None)
 
-    def kv_bytes_per_token(self) -> int:
-        return sum(b.bytes_per_kv_token() for b in self.owns)
+    def kv_bytes_per_token(self, batch: int = 1) -> int:
+        return sum(b.bytes_per_kv_token(batch) for b in self.owns if not b.of_weights)
 
-    def fixed_buffer_bytes(self) -> int:
-        return sum(b.nbytes(None) for b in self.owns if KV_TOKENS not in b.shape and not b.of_weights)
+    def fixed_buffer_bytes(self, batch: int = 1) -> int:
+        return sum(b.fixed_bytes(batch) for b in self.owns if not b.of_weights)

@@ -37,6 +37,9 @@ class NodeContext:
     # The loaded target (draftflow.core.target.TargetHandle), for a node whose manifest requires
     # "target.handle"; None otherwise. Targets are built first, so it is set at construction.
     target: Any = None
+    # Request slots: at most this many requests are live at once; request `r` owns row `r.slot` of every
+    # per-request buffer (a manifest dimension "batch" is allocated with this many rows).
+    max_batch: int = 1
 
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
@@ -141,8 +144,9 @@ class RequestState:
     tokens: list[int]
     sampling: SamplingParams
     generator: torch.Generator
-    num_draft: int = 0  # drafts wanted this cycle (already capped by the remaining budget)
+    num_draft: int = 0  # drafts wanted this cycle (already capped by the remaining budget and the cycle's K)
     cycle: int = 0
+    slot: int = 0  # the row this request owns in every per-request buffer, in [0, max_batch)
 
     @property
     def position(self) -> int:
@@ -152,6 +156,34 @@ class RequestState:
     @property
     def anchor(self) -> int:
         return self.tokens[-1]
+
+
+@attrs.frozen(eq=False)
+class Batch:
+    """The requests one cycle steps. Row i of every ``[B, ...]`` tensor of the cycle is slot i.
+
+    ``rows[i]`` is the request in slot i, or None for a slot this cycle does not step (free, or
+    holding a request the caller left out): a node computes anything valid for such a row (a pad
+    row; its output is ignored) and must not change that slot's committed state. ``size`` is
+    the highest stepped slot + 1, so row i and slot i always agree and per-slot buffers are
+    read as the view ``buffer[:size]`` (no gather). ``num_draft`` is this cycle's K: drafters
+    return ``[size, K']`` proposals with K' <= K; row i wants ``rows[i].num_draft <= K`` drafts.
+    """
+
+    rows: tuple[RequestState | None, ...] = attrs.field(converter=tuple)
+    num_draft: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def active(self) -> list[tuple[int, RequestState]]:
+        """(row, request) for every stepped row, in slot order."""
+        return [(i, r) for i, r in enumerate(self.rows) if r is not None]
+
+    def draft_lengths(self) -> list[int]:
+        """Drafts each row wants this cycle (0 for pad rows)."""
+        return [r.num_draft if r is not None else 0 for r in self.rows]
 
 
 @attrs.frozen
@@ -175,16 +207,28 @@ class Node:
         return self.ctx.name
 
     def prefill(self, req: RequestState) -> dict[str, Any]:
-        """Process the prompt (``req.tokens``); return values for carried output ports."""
+        """Process a joining request's prompt (``req.tokens``) into slot ``req.slot``; return values for
+        carried output ports (this request's)."""
         return {}
 
-    def step(self, req: RequestState, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Run this node's part of one cycle; return values for its output ports."""
+    def step(self, batch: Batch, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Run this node's part of one cycle for every row of ``batch``; return values for its output ports.
+
+        Values on ports are batched: row i of each tensor is ``batch.rows[i]`` (slot i). A carried
+        input arrives as a list with one value per row (the value that row's request carried, None
+        for pad rows).
+        """
         return {}
 
     def commit(self, req: RequestState, info: CommitInfo) -> dict[str, Any]:
-        """Roll state forward/back to ``req.tokens``; return new values for carried output ports."""
+        """Roll slot ``req.slot`` forward/back to ``req.tokens``; return this request's new carried values.
+
+        Called once per stepped request, after the cycle's one host sync."""
         return {}
+
+    def release(self, req: RequestState) -> None:
+        """The request left (finished, cancelled or replaced): drop what the node keeps for it. Its slot
+        may be handed to a new request, whose ``prefill`` comes next."""
 
     def warmup(self) -> None:
         """Pay once, at load, what the first request would otherwise pay: compile kernels, capture the

@@ -21,11 +21,17 @@ PORT_TYPES: dict[str, str] = {
 
 @attrs.define
 class Proposal:
-    """Draft tokens for one cycle. ``probs`` is None for deterministic drafts (one-hot q)."""
+    """Draft tokens for one cycle. ``probs`` is None for deterministic drafts (one-hot q).
+
+    Row i proposes ``tokens[i, :lengths[i]]`` (``lengths`` None: every row all K columns); the
+    columns past it are padding and must still hold valid token ids (the target embeds them).
+    The verifier also never accepts more than the row's ``num_draft``.
+    """
 
     tokens: torch.Tensor  # [B, K] int64
     probs: torch.Tensor | None = None  # [B, K, V] full q, or [B, K, C] with candidate_ids
     candidate_ids: torch.Tensor | None = None  # [B, K, C] int64
+    lengths: torch.Tensor | None = None  # [B] int64 on the device: real drafts per row
 
     @property
     def num_draft(self) -> int:
