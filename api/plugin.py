@@ -16,8 +16,8 @@ from draftflow.core.errors import (
 )
 from draftflow.core.files import file_problem, open_safetensors, read_json_object
 from draftflow.core.hookspecs import hookimpl
-from draftflow.core.manifest import KV_TOKENS, BufferSpec, ExpertPool, Incompatibility, Manifest, Port, Vram
-from draftflow.core.node import CommitInfo, GrammarSpec, Node, NodeContext, RequestState, SamplingParams
+from draftflow.core.manifest import BATCH, KV_TOKENS, BufferSpec, ExpertPool, Incompatibility, Manifest, Port, Vram, kv_dim
+from draftflow.core.node import Batch, CommitInfo, GrammarSpec, Node, NodeContext, RequestState, SamplingParams
 from draftflow.core.params import ParamSpec
 from draftflow.core.ports import Candidates, Features, Proposal, TargetOutput, Verdict
 from draftflow.core.problems import Problem
@@ -33,9 +33,9 @@ from draftflow.core.target import (
 )
 
 __all__ = [
-    "BufferSpec", "CacheCapacityError", "Candidates", "CheckError", "CommitInfo", "DraftflowError", "EMBED_BUFFER",
+    "BATCH", "Batch", "BufferSpec", "CacheCapacityError", "Candidates", "CheckError", "CommitInfo", "DraftflowError", "EMBED_BUFFER",
     "ExpertPool", "Features", "GrammarSpec", "HEAD_BUFFER", "Incompatibility", "KV_TOKENS", "Manifest", "ModelFormatError", "Node",
     "NodeContext", "NodeType", "OwnershipError", "ParamSpec", "Port", "Problem", "Proposal", "RequestError",
     "RequestState", "SamplingParams", "SpecError", "TARGET_HANDLE", "TargetHandle", "TargetInfo", "TargetOutput", "Vram", "Verdict",
-    "file_problem", "hookimpl", "open_safetensors", "read_json_object", "target_info", "wrong_target_check",
+    "file_problem", "hookimpl", "kv_dim", "open_safetensors", "read_json_object", "target_info", "wrong_target_check",
 ]

@@ -16,6 +16,9 @@ import attrs
 
 # The smallest KV capacity we accept when autosizing; below this a graph is not useful.
 MIN_KV_TOKENS = 256
+AUTO_BATCH_CAP = 64  # max_batch: auto never plans more request slots than this
+AUTO_BATCH_NO_BUDGET = 16  # max_batch: auto without a budget to size it from (CPU graphs without vram_budget)
+AUTO_BATCH_EXPERTS = 8  # max_batch: auto for MoE targets, whose expert cache takes what the budget leaves
 
 
 @attrs.frozen
@@ -50,6 +53,9 @@ class VramPlan:
     kv_tokens: int | None
     kv_limit_reason: str
     experts: ExpertPlan | None = None
+    batch: int = 1  # request slots allocated (max_batch)
+    batch_reason: str = "max_batch"
+    batch_fits: int | None = None  # requests of kv_tokens context the budget holds (None: no budget)
 
     @property
     def total(self) -> int:
@@ -65,12 +71,14 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def plan_vram(manifests: dict, budget: int | None, max_context: int | None):
-    """Size the KV cache and fill the table. Returns (VramPlan, [problem texts (node, message, fix)])."""
+def plan_vram(manifests: dict, budget: int | None, max_context: int | None, max_batch: int | None = 1):
+    """Size the request slots and the KV cache and fill the table. Returns (VramPlan, [(node, message, fix)]).
+
+    ``max_batch`` None is "auto": as many request slots of the full context as the budget holds
+    (at most AUTO_BATCH_CAP).
+    """
     problems = []
-    fixed = {name: m.vram.weights + m.vram.scratch + m.fixed_buffer_bytes() for name, m in manifests.items()}
     per_token = {name: m.kv_bytes_per_token() for name, m in manifests.items()}
-    kv_bytes_per_token = sum(per_token.values())
     limits = [m.max_tokens for m in manifests.values() if m.max_tokens is not None and per_token[_n(manifests, m)]]
     cap = min(limits) if limits else None
     reason = "model context limit"
@@ -79,11 +87,16 @@ def plan_vram(manifests: dict, budget: int | None, max_context: int | None):
             problems.append(("", f"max_context {max_context} exceeds the model context limit {cap}", f"set max_context <= {cap}"))
         cap = max_context if cap is None else min(cap, max_context)
         reason = "max_context"
+    batch, batch_reason, fits = _slots(manifests, budget, cap, max_batch)
+    fixed = {name: m.vram.weights + m.vram.scratch + m.fixed_buffer_bytes(batch) for name, m in manifests.items()}
+    per_token = {name: m.kv_bytes_per_token(batch) for name, m in manifests.items()}
+    kv_bytes_per_token = sum(per_token.values())
     fixed_total = sum(fixed.values())
     kv_tokens = cap if kv_bytes_per_token else None
     pools = {name: m.vram.experts for name, m in manifests.items() if m.vram.experts is not None}
     if pools:
-        return _plan_with_experts(manifests, budget, fixed, per_token, kv_tokens, reason, pools, problems)
+        vram, problems = _plan_with_experts(manifests, budget, fixed, per_token, kv_tokens, reason, pools, problems, batch)
+        return attrs.evolve(vram, batch=batch, batch_reason=batch_reason, batch_fits=fits), problems
     if budget is not None:
         left = budget - fixed_total
         if left < 0:
@@ -105,15 +118,34 @@ def plan_vram(manifests: dict, budget: int | None, max_context: int | None):
     rows = []
     for name, m in manifests.items():
         kv = per_token[name] * (kv_tokens or 0)
-        rows.append(VramRow(name, m.vram.weights, kv, m.vram.scratch + m.fixed_buffer_bytes()))
-    return VramPlan(tuple(rows), budget, kv_tokens, reason), problems
+        rows.append(VramRow(name, m.vram.weights, kv, m.vram.scratch + m.fixed_buffer_bytes(batch)))
+    return VramPlan(tuple(rows), budget, kv_tokens, reason, batch=batch, batch_reason=batch_reason, batch_fits=fits), problems
+
+
+def _slots(manifests: dict, budget: int | None, cap: int | None, max_batch: int | None) -> tuple[int, str, int | None]:
+    """(slots, why, requests of `cap` tokens the budget holds): bytes are linear in the slots, a + b * slots."""
+    tokens = cap or MIN_KV_TOKENS
+
+    def cost(slots: int) -> int:
+        return sum(m.vram.weights + m.vram.scratch + m.fixed_buffer_bytes(slots) + m.kv_bytes_per_token(slots) * tokens
+                   for m in manifests.values())
+
+    base, per_slot = cost(0), cost(1) - cost(0)
+    fits = None if budget is None or per_slot <= 0 else max(0, (budget - base) // per_slot)
+    if max_batch is not None:
+        return max_batch, "max_batch", fits
+    moe = any(m.vram.experts is not None for m in manifests.values())
+    if fits is None:
+        return (AUTO_BATCH_EXPERTS if moe else AUTO_BATCH_NO_BUDGET), "max_batch auto, no vram_budget", fits
+    cap_slots = AUTO_BATCH_EXPERTS if moe else AUTO_BATCH_CAP
+    return max(1, min(cap_slots, fits)), f"max_batch auto, at most {cap_slots}", fits
 
 
 def _n(manifests, manifest):
     return next(name for name, m in manifests.items() if m is manifest)
 
 
-def _plan_with_experts(manifests, budget, fixed, per_token, kv_tokens, reason, pools, problems):
+def _plan_with_experts(manifests, budget, fixed, per_token, kv_tokens, reason, pools, problems, batch=1):
     """KV at its cap; the one expert pool gets what the budget leaves (or its pinned count)."""
     owner, pool = next(iter(pools.items()))
     if len(pools) > 1:
@@ -154,7 +186,7 @@ def _plan_with_experts(manifests, budget, fixed, per_token, kv_tokens, reason, p
         problems.append((owner, f"expert_cache={pool.pinned} is below the minimum of {pool.minimum} (top-k per MoE layer)",
                          f"set expert_cache to at least {pool.minimum} (0 = autosize)"))
     resident = max(0, min(resident, pool.total))
-    rows = tuple(VramRow(name, m.vram.weights, kv[name], m.vram.scratch + m.fixed_buffer_bytes(),
+    rows = tuple(VramRow(name, m.vram.weights, kv[name], m.vram.scratch + m.fixed_buffer_bytes(batch),
                          resident * b if name == owner else 0) for name, m in manifests.items())
     plan = ExpertPlan(owner, resident, pool.total, b, why, costs)
     return VramPlan(rows, budget, kv_tokens, reason, plan), problems

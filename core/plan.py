@@ -156,7 +156,7 @@ def build_plan(spec: GraphSpec, registry: Registry) -> GraphPlan:
         plan.problems.extend(found)
     manifests = {n: r.manifest for n, r in plan.nodes.items()}
     if manifests:
-        plan.vram, vram_problems = plan_vram(manifests, device_budget(spec), spec.max_context)
+        plan.vram, vram_problems = plan_vram(manifests, device_budget(spec), spec.max_context, spec.max_batch)
         for node, message, fix in vram_problems:
             # A node's pinned expert_cache that cannot work is that param's problem; the rest is the budget's.
             param = node and message.startswith("expert_cache=")
@@ -166,7 +166,8 @@ def build_plan(spec: GraphSpec, registry: Registry) -> GraphPlan:
             owner = plan.nodes.get(info.owners[0]) if info.owners else None
             spec_b = next((b for b in owner.manifest.owns if b.name == info.name), None) if owner else None
             if spec_b is not None:
-                info.nbytes = spec_b.nbytes(plan.vram.kv_tokens) if (plan.vram.kv_tokens or "kv_tokens" not in spec_b.shape) else 0
+                known = plan.vram.kv_tokens or not spec_b.per_token
+                info.nbytes = spec_b.nbytes(plan.vram.kv_tokens, plan.vram.batch) if known else 0
     plan.problems.sort()
     return plan
 

@@ -35,7 +35,9 @@ def render_plan(plan: GraphPlan) -> str:
         rows.append(["total"] + [fmt_bytes(sum(getattr(r, c) for r in v.rows)) for c in cols] + [fmt_bytes(v.total)])
         lines += _table(["node", *cols, "total"], rows)
         if v.kv_tokens is not None:
-            lines.append(f"  KV cache: {v.kv_tokens} tokens (limited by {v.kv_limit_reason})")
+            lines.append(f"  KV cache: {v.kv_tokens} tokens per request (limited by {v.kv_limit_reason})")
+            fits = "" if v.batch_fits is None else f"; {v.batch_fits} requests of {v.kv_tokens} tokens fit the budget"
+            lines.append(f"  request slots: {v.batch} ({v.batch_reason}){fits}")
         if v.experts is not None:
             lines.append("  " + expert_cache_line(plan))
     return "\n".join(lines)

@@ -14,7 +14,8 @@ from draftflow.core.errors import SpecError
 from draftflow.core.params import did_you_mean
 from draftflow.core.yamlio import Located, key_path, load_yaml_file, load_yaml_text, load_yaml_value, shorten
 
-TOP_KEYS = ("name", "description", "extends", "device", "dtype", "vram_budget", "num_draft", "max_context", "debug", "nodes", "edges")
+MAX_BATCH = 256  # request slots a graph may ask for
+TOP_KEYS = ("name", "description", "extends", "device", "dtype", "vram_budget", "num_draft", "max_batch", "max_context", "debug", "nodes", "edges")
 NODE_KEYS = ("plugin", "params")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 _EDGE = re.compile(r"^\s*([A-Za-z_][\w-]*)\.(\w+)\s*->\s*([A-Za-z_][\w-]*)\.(\w+)\s*(\(carried\))?\s*$")
@@ -85,6 +86,7 @@ class GraphSpec:
     dtype: str = "float32"
     vram_budget: int | float | None = None
     num_draft: int = 4
+    max_batch: int | None = 1  # request slots; None = "auto" (as many as the VRAM plan fits, at most 64)
     max_context: int | None = None
     debug: bool = False
     source: str = "<graph>"
@@ -141,6 +143,12 @@ class GraphSpec:
         num_draft = data.get("num_draft", 4)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 0 <= num_draft <= 64:
             raise SpecError(f"{loc.at('num_draft')}: num_draft must be an integer from 0 to 64, got {shorten(repr(num_draft))}")
+        max_batch = data.get("max_batch", 1)
+        if max_batch == "auto":
+            max_batch = None
+        elif isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+            raise SpecError(f"{loc.at('max_batch')}: max_batch must be an integer from 1 to {MAX_BATCH} or 'auto', "
+                            f"got {shorten(repr(max_batch))}")
         max_context = data.get("max_context")
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1):
             raise SpecError(f"{loc.at('max_context')}: max_context must be a positive integer, got {shorten(repr(max_context))}")
@@ -160,6 +168,7 @@ class GraphSpec:
             dtype=dtype,
             vram_budget=parse_size(data.get("vram_budget"), loc.at("vram_budget")),
             num_draft=num_draft,
+            max_batch=max_batch,
             max_context=max_context,
             debug=debug,
             source=source,
