@@ -5,11 +5,13 @@ what a drafter or a target is beyond its role (used only to attribute timings).
 Per cycle there is one host synchronisation: reading the verifier's verdict together
 with the drafts, packed into a single transfer.
 
-A request runs through the step API: ``start`` (validate, seed, prefill every node),
-``step`` (one cycle per state, returning a ``CycleResult`` each) until a result has a
-``finish``, then ``finish`` (the ``Result`` and the ``request_done`` event). ``generate``
-is that loop; the server drives it itself to stream, cut at stop strings and cancel
-between cycles. Trace sinks only observe the events.
+A request runs through the step API: ``start`` (validate, seed, take a free request slot,
+prefill every node), ``step`` (one cycle for any set of live requests, batched: row i of
+every tensor is slot i, ``Batch``; a ``CycleResult`` each) until a result has a ``finish``,
+then ``finish`` (the ``Result``, the ``request_done`` event, the slot freed). ``generate``
+is that loop for one request; the server steps every live request together, admits new
+ones between cycles, streams, cuts at stop strings and cancels. Trace sinks only observe
+the events.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from draftflow.core.errors import ModelFormatError, OwnershipError, RequestError
 from draftflow.core.manifest import DTYPES
-from draftflow.core.node import CommitInfo, Node, NodeContext, SamplingParams
+from draftflow.core.node import Batch, CommitInfo, Node, NodeContext, SamplingParams
 from draftflow.core.plan import GraphPlan
 from draftflow.core.ports import TargetOutput, Verdict
 from draftflow.core.request import ActiveRequest, CycleResult, CycleTimer, Result, TokenLogprob, active_processors
@@ -51,6 +53,7 @@ class Executor:
         self.verifier = next(n for n in self.order if self.roles[n] == "verifier")
         self.target = next(n for n in self.order if self.roles[n] == "target")
         self.kv_tokens = plan.vram.kv_tokens if plan.vram else None
+        self.max_batch = plan.vram.batch if plan.vram else 1  # request slots
         self.owned: dict[str, dict[str, torch.Tensor]] = {}
         self.nodes: dict[str, Any] = {}
         self.measured: dict[str, int] = {}
@@ -62,7 +65,7 @@ class Executor:
         self.load_s = round(time.perf_counter() - began, 6)  # building every node: weights, buffers
         self.warmup_s: float | None = None  # set by warmup()
         self._timer = CycleTimer(self.device)
-        self._live: ActiveRequest | None = None  # the one request whose state the nodes hold
+        self._slots: list[ActiveRequest | None] = [None] * self.max_batch  # slot -> its live request
         # Nodes that add fields to the cycle event (override Node.cycle_fields): asked once per cycle.
         self.field_nodes = [n for n in self.order if type(self.nodes[n]).cycle_fields is not Node.cycle_fields]
 
@@ -71,7 +74,7 @@ class Executor:
         # Every owned buffer first, so a node may read a buffer whose owner runs after it.
         for name in self.order:
             m = self.plan.nodes[name].manifest
-            self.owned[name] = {b.name: torch.zeros(b.resolved_shape(self.kv_tokens), dtype=DTYPES[b.dtype], device=self.device)
+            self.owned[name] = {b.name: torch.zeros(b.resolved_shape(self.kv_tokens, self.max_batch), dtype=DTYPES[b.dtype], device=self.device)
                                 for b in m.owns if b.preallocate and not b.of_weights}
         # The target is built first: its handle and weight buffers (embedding, LM head) exist for every other node.
         self.handle = None
@@ -86,7 +89,7 @@ class Executor:
                               num_draft=self.plan.spec.num_draft, kv_tokens=self.kv_tokens, buffers=owned,
                               shared={b: all_buffers[b] for b in m.reads if b in all_buffers},
                               resident_experts=experts.resident if experts is not None and experts.node == name else None,
-                              target=self.handle if TARGET_HANDLE in m.requires else None)
+                              target=self.handle if TARGET_HANDLE in m.requires else None, max_batch=self.max_batch)
             self.nodes[name] = resolved.node_type.factory(ctx)
             if name == self.target:
                 self.handle = self._target_handle(name)
@@ -111,7 +114,7 @@ class Executor:
         Idempotent (the second call returns the recorded time). Returns ``warmup_s``.
         """
         if self.warmup_s is None:
-            self._live = None  # a node may use its request state to warm up
+            self._drop_all()  # a node may use its request state to warm up
             began = time.perf_counter()
             for name in sorted(self.order, key=lambda n: self.roles[n] != "target"):
                 self.nodes[name].warmup()
@@ -133,47 +136,76 @@ class Executor:
         return handle
 
     # --- request ------------------------------------------------------------------------
-    # One request is live at a time (batching is the next issue): `start` prefills every node for the new
-    # request, which replaces an unfinished one; stepping the replaced state afterwards is refused.
+    # Up to max_batch requests are live at once, one per slot; `start` prefills a free slot (the others are
+    # untouched) and `finish` frees it. A failed cycle invalidates every live request (the nodes hold a
+    # half-run cycle); a failed prefill only the joining one.
+    @property
+    def free_slots(self) -> int:
+        """Request slots a `start` may take now."""
+        return self._slots.count(None)
+
+    def live(self) -> list[ActiveRequest]:
+        """The started, unfinished requests, in slot order."""
+        return [r for r in self._slots if r is not None]
+
     def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
               request_id: str | None = None) -> ActiveRequest:
-        """Validate and seed a request and prefill every node with its prompt; the first `step` drafts from there."""
+        """Validate and seed a request and prefill every node with its prompt in a free slot; `step` drafts from there."""
         sampling = sampling or SamplingParams()
         prompt_ids = list(prompt_ids)
         self._validate(prompt_ids, sampling)
+        if None not in self._slots:
+            raise RuntimeError(f"all {self.max_batch} request slots are busy; finish a request first (free_slots is 0) "
+                               "or raise the graph's max_batch")
         gen = torch.Generator(device=self.device)
         gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.seed() % (2**63)))
         eos = () if sampling.ignore_eos else self.handle.eos_ids
         state = ActiveRequest(request_id or uuid.uuid4().hex[:12], len(prompt_ids), list(prompt_ids), sampling, gen,
                               stops=frozenset(eos) | frozenset(sampling.stop_token_ids), started=time.perf_counter())
-        self._live = None  # the nodes are mid-prefill: no earlier request may step now
+        state.slot = self._slots.index(None)
         begin = self._timer.start()
-        for name in self.order:
-            for port, value in (self.nodes[name].prefill(state) or {}).items():
-                state.carried[(name, port)] = value
+        try:
+            for name in self.order:
+                for port, value in (self.nodes[name].prefill(state) or {}).items():
+                    state.carried[(name, port)] = value
+        except BaseException:
+            self._release(state)  # the slot stays free; the live requests keep theirs
+            raise
         state.prefill_marks = (begin, self._timer.start())  # read after the first cycle's sync, not now
-        self._live = state
+        self._slots[state.slot] = state
         return state
 
     def step(self, states: list[ActiveRequest]) -> list[CycleResult]:
-        """Run one draft -> verify -> accept -> commit cycle for each state; one host sync in all.
+        """Run one draft -> verify -> accept -> commit cycle for all ``states`` at once; one host sync in all.
 
-        Emits one ``draft_cycle`` event per state after its commit. A trace sink only observes:
-        an exception it raises propagates, but the cycle is already committed, so the request
-        stays consistent and may be stepped on or finished.
+        Emits one ``draft_cycle`` event per state after every state has committed. A trace sink
+        only observes: an exception it raises propagates, but the cycle is already committed, so
+        the requests stay consistent and may be stepped on or finished.
         """
         self._check_states(states)
+        k = self.plan.spec.num_draft
         for req in states:  # never draft past the token budget: a cycle emits at most num_draft + 1 tokens
-            req.num_draft = max(0, min(self.plan.spec.num_draft, req.sampling.max_new_tokens - len(req.generated) - 1))
+            req.num_draft = max(0, min(k, req.sampling.max_new_tokens - len(req.generated) - 1))
+        rows: list[ActiveRequest | None] = [None] * (max(r.slot for r in states) + 1)
+        for req in states:
+            rows[req.slot] = req
+        batch = Batch(rows, max(r.num_draft for r in states))
         try:
-            values = self._run_nodes(states)
-            rows = self._read_verdicts(states, values)  # the cycle's one host sync
+            values = self._run_nodes(batch)
+            verdicts = self._read_verdicts(batch, values)  # the cycle's one host sync
         except BaseException:
-            self._live = None  # the nodes hold a half-run cycle: only a new start may follow
+            self._drop_all()  # the nodes hold a half-run cycle: only new starts may follow
             raise
         times = self._timer.totals_ms()  # node timings of the whole cycle (CUDA events are complete after the sync)
+        draft_ms = round(sum(times.get(r, 0.0) for r in DRAFT_ROLES), 4)
+        verify_ms = round(times.get("target", 0.0) + times.get("verifier", 0.0), 4)
+        fields: dict[str, Any] = {}
+        for name in self.field_nodes:  # node-contributed fields (docs/TRACING.md), once per cycle
+            for key, value in self.nodes[name].cycle_fields().items():
+                fields.setdefault(key, value)
         results = []
-        for req, (accepted, emitted, draft, logprobs) in zip(states, rows):
+        for req in states:
+            accepted, emitted, draft, logprobs = verdicts[req.slot]
             position, anchor = req.position, req.anchor
             cut = self._cut(req, emitted)
             req.tokens.extend(cut)
@@ -188,22 +220,17 @@ class Executor:
                     for port, value in (self.nodes[name].commit(req, info) or {}).items():
                         req.carried[(name, port)] = value
             except BaseException:
-                self._live = None
+                self._drop_all()
                 raise
             commit_ms = (time.perf_counter() - t0) * 1000
             if req.ttft_s is None:
                 req.ttft_s = time.perf_counter() - req.started
             req.stats.add(len(draft), accepted, len(cut))
-            fields: dict[str, Any] = {}
-            for name in self.field_nodes:  # node-contributed fields (docs/TRACING.md)
-                for key, value in self.nodes[name].cycle_fields().items():
-                    fields.setdefault(key, value)
             results.append(CycleResult(
                 req.request_id, req.cycle, position, anchor, tuple(draft), accepted, tuple(cut),
-                draft_ms=round(sum(times.get(r, 0.0) for r in DRAFT_ROLES), 4),
-                verify_ms=round(times.get("target", 0.0) + times.get("verifier", 0.0), 4),
-                commit_ms=round(commit_ms, 4), fields=fields, finish=req.finish_reason, logprobs=logprobs,
-                processors=active_processors(req.sampling)))
+                draft_ms=draft_ms, verify_ms=verify_ms, commit_ms=round(commit_ms, 4), fields=fields,
+                finish=req.finish_reason, logprobs=logprobs, processors=active_processors(req.sampling),
+                batch=len(states), num_draft=batch.num_draft))
             req.cycle += 1
         if self.hook is not None:  # after every state is committed: a raising sink leaves them consistent
             for result in results:
@@ -211,7 +238,7 @@ class Executor:
         return results
 
     def finish(self, state: ActiveRequest, reason: str | None = None, kept: int | None = None) -> Result:
-        """End a request: its Result and summary stats, and the ``request_done`` event.
+        """End a request and free its slot: its Result and summary stats, and the ``request_done`` event.
 
         ``reason`` ends it early (e.g. "stop" for a stop string found in the text, "cancelled");
         None takes the reason its last step finished with. ``kept``: how many generated tokens
@@ -226,8 +253,8 @@ class Executor:
             raise ValueError(f"kept={kept} is outside [0, {len(state.generated)}] (the tokens request {state.request_id!r} generated)")
         elapsed = time.perf_counter() - state.started
         state.finish_reason, state.done = reason, True
-        if self._live is state:
-            self._live = None
+        if self._slots[state.slot] is state:
+            self._release(state)
         summary = {**state.stats.summary(), "tokens_per_s": round(kept / elapsed, 3) if elapsed > 0 else 0.0,
                    "ttft_s": round(state.ttft_s or 0.0, 6), "prefill_ms": round(self._timer.elapsed_ms(*state.prefill_marks), 4),
                    "load_s": self.load_s, "warmup_s": self.warmup_s}
@@ -247,51 +274,71 @@ class Executor:
             self.step([state])
         return self.finish(state)
 
+    def _release(self, state: ActiveRequest) -> None:
+        """Free the request's slot; every node drops what it keeps for it."""
+        if self._slots[state.slot] is state:
+            self._slots[state.slot] = None
+        for name in self.order:
+            self.nodes[name].release(state)
+
+    def _drop_all(self) -> None:
+        """After a failed cycle: no live request may step again (each must be started anew)."""
+        for state in self.live():
+            self._release(state)
+
     def _check_states(self, states: list[ActiveRequest]) -> None:
-        if len(states) != 1:
-            raise ValueError(f"step got {len(states)} requests; batch > 1 is not supported yet: step one request at a time")
+        if not states:
+            raise ValueError("step got no requests; pass the live requests to step (Executor.live())")
+        if len({id(r) for r in states}) != len(states):
+            raise ValueError("step got the same request twice; pass each live request once")
         for req in states:
             if req.done or req.finish_reason is not None:
                 raise ValueError(f"request {req.request_id!r} has finished ({req.finish_reason}); start a new one")
-            if req is not self._live:
-                raise ValueError(f"request {req.request_id!r} is no longer live: another request was started after it "
-                                 "(one request at a time) or its last step failed; start it again")
+            if not 0 <= req.slot < self.max_batch or self._slots[req.slot] is not req:
+                raise ValueError(f"request {req.request_id!r} is no longer live: a cycle failed after it started "
+                                 "or it belongs to another executor; start it again")
 
-    def _run_nodes(self, states: list[ActiveRequest]) -> dict[tuple[str, str], Any]:
-        """Every node's step in schedule order; returns the values on their output ports."""
-        req = states[0]  # nodes step one request (batch 1)
+    def _run_nodes(self, batch: Batch) -> dict[tuple[str, str], Any]:
+        """Every node's step in schedule order; returns the values on their output ports.
+
+        A carried input is the list of what each row's request carried (None for pad rows).
+        """
         values: dict[tuple[str, str], Any] = {}
+        first = [i for i, r in batch.active() if r.cycle == 0]
         for name in self.order:
-            inputs = {e.dst_port: (req.carried if e.carried else values).get((e.src, e.src_port))
+            inputs = {e.dst_port: ([r.carried.get((e.src, e.src_port)) if r is not None else None for r in batch.rows]
+                                   if e.carried else values.get((e.src, e.src_port)))
                       for e in self.plan.inputs_of(name)}
             versions = self._versions(name) if self.debug else None
             t0 = self._timer.start()
-            out = self.nodes[name].step(req, inputs) or {}
+            out = self.nodes[name].step(batch, inputs) or {}
             self._timer.stop(self.roles[name], t0)
-            if req.cycle == 0 and name == self.target:
-                self._check_finite(out)
+            if first and name == self.target:
+                self._check_finite(out, first)
             if versions is not None:
                 self._check_writes(name, versions)
             for port, value in out.items():
                 values[(name, port)] = value
         return values
 
-    def _read_verdicts(self, states: list[ActiveRequest], values) -> list[tuple[int, list[int], list[int], list | None]]:
-        """(accepted, emitted, drafts, logprobs) per state, from one packed device-to-host transfer (row i = states[i]).
+    def _read_verdicts(self, batch: Batch, values) -> dict[int, tuple[int, list[int], list[int], list | None]]:
+        """slot -> (accepted, emitted, drafts, logprobs) for every stepped row, from one packed device-to-host transfer.
 
         ``logprobs`` is None unless the verdict carries them; then it holds one ``TokenLogprob`` per emitted token.
         """
-        b = len(states)
+        b = batch.size
         verdict: Verdict = values[(self.verifier, "verdict")]
         proposal = next((values.get((e.src, e.src_port)) for e in self.plan.inputs_of(self.verifier)
                          if self.plan.nodes[self.verifier].manifest.input(e.dst_port).type == "proposal"), None)
         width = verdict.emitted.shape[1]  # K + 1 for the K drafts actually proposed
-        # accepted [B], emitted [B, K+1] (-1 past the accepted run), drafts [B, K]: one flat int64 transfer
+        # accepted [B], emitted [B, K+1] (-1 past the accepted run), drafts [B, K], lengths [B]: one int64 transfer
         parts = [verdict.accepted[:b].to(torch.int64), verdict.emitted[:b].to(torch.int64).reshape(-1)]
         k = 0
         if proposal is not None and proposal.tokens.numel():
             k = proposal.tokens.shape[1]
             parts.append(proposal.tokens[:b].to(torch.int64).reshape(-1))
+            if proposal.lengths is not None:
+                parts.append(proposal.lengths[:b].to(torch.int64))
         n = -1
         if verdict.logprobs is not None:
             # Logprobs ride the same transfer: everything as float64, exact for token ids (< 2**53).
@@ -300,12 +347,20 @@ class Executor:
                 verdict.logprobs[:b].to(torch.float64).reshape(-1), verdict.top_ids[:b].to(torch.float64).reshape(-1),
                 verdict.top_logprobs[:b].to(torch.float64).reshape(-1)]
         packed = torch.cat(parts).tolist()
-        rows = []
-        base = b + b * width + b * k  # the logprob parts start here
-        for i in range(b):
+        lengths_at = b + b * width + b * k
+        has_lengths = k > 0 and proposal.lengths is not None
+        base = lengths_at + (b if has_lengths else 0)  # the logprob parts start here
+        out = {}
+        for i, req in batch.active():
             accepted = int(packed[i])
+            real = min(int(packed[lengths_at + i]) if has_lengths else k, req.num_draft)
+            if not 0 <= accepted <= real:
+                node = self.plan.nodes[self.verifier].node_type.name
+                raise ModelFormatError(f"node '{self.verifier}' ({node}) accepted {accepted} drafts in row {i} of a cycle "
+                                       f"that proposed {real} there; a verifier must accept at most the row's drafts "
+                                       "(Proposal.lengths and the request's num_draft)")
             emitted_row = [int(t) for t in packed[b + i * width:b + (i + 1) * width]]
-            draft = [int(t) for t in packed[b + b * width + i * k:b + b * width + (i + 1) * k]]
+            draft = [int(t) for t in packed[b + b * width + i * k:b + b * width + i * k + real]]
             emitted = [t for t in emitted_row[:accepted + 1] if t >= 0]
             logprobs = None
             if n >= 0:
@@ -314,8 +369,8 @@ class Executor:
                 ids, lps = packed[ids_at:ids_at + width * n], packed[lp_at:lp_at + width * n]
                 logprobs = [TokenLogprob(tok, chosen[j], tuple((int(ids[j * n + c]), lps[j * n + c]) for c in range(n)))
                             for j, tok in enumerate(emitted)]
-            rows.append((accepted, emitted, draft, logprobs))
-        return rows
+            out[i] = (accepted, emitted, draft, logprobs)
+        return out
 
     @staticmethod
     def _cut(req: ActiveRequest, emitted: list[int]) -> list[int]:
@@ -349,13 +404,14 @@ class Executor:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {need} "
                                f"exceeds the context of {limit} tokens; shorten the prompt or lower --max-new-tokens")
 
-    def _check_finite(self, out: dict[str, Any]) -> None:
+    def _check_finite(self, out: dict[str, Any], rows: list[int]) -> None:
         """Refuse NaN/inf target logits (corrupt weights, float16 overflow) instead of emitting garbage.
 
-        Checked on the first window of each request only: one extra host sync per request, none per cycle.
+        Checked on the first window of each request only (``rows``): one extra host sync per joining
+        request, none per cycle.
         """
         for value in out.values():
-            if isinstance(value, TargetOutput) and not bool(torch.isfinite(value.logits).all()):
+            if isinstance(value, TargetOutput) and not bool(torch.isfinite(value.logits[rows]).all()):
                 node = self.plan.nodes[self.target]
                 path = node.params.get("path")
                 where = f"node '{self.target}' ({node.node_type.name}" + (f", {path})" if path else ")")

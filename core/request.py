@@ -82,11 +82,14 @@ class CycleResult:
     finish: str | None = None  # "stop" or "length" when this cycle ended the request
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when the request asks
     processors: tuple[str, ...] = ()  # the request's active logit processors (active_processors)
+    batch: int = 1  # requests stepped together in this cycle (draft_ms and verify_ms are the whole batch's)
+    num_draft: int = 0  # the cycle's K: the widest draft any row asked for
 
     def event(self) -> dict:
         core = {"request_id": self.request_id, "cycle": self.cycle, "position": self.position, "anchor": self.anchor,
                 "draft": list(self.draft), "accepted": self.accepted, "emitted": list(self.emitted),
-                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms, "commit_ms": self.commit_ms}
+                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms, "commit_ms": self.commit_ms,
+                "batch": self.batch, "k": self.num_draft}
         if self.processors:
             core["processors"] = list(self.processors)
         return {**core, **{k: v for k, v in self.fields.items() if k not in core}}  # core fields win a name clash
