@@ -17,7 +17,7 @@ from draftflow.core.errors import (
 from draftflow.core.files import file_problem, open_safetensors, read_json_object
 from draftflow.core.hookspecs import hookimpl
 from draftflow.core.manifest import BATCH, KV_TOKENS, BufferSpec, ExpertPool, Incompatibility, Manifest, Port, Vram, kv_dim
-from draftflow.core.node import Batch, CommitInfo, GrammarSpec, Node, NodeContext, RequestState, SamplingParams
+from draftflow.core.node import Batch, CommitInfo, CycleCost, GrammarSpec, Node, NodeContext, RequestState, SamplingParams
 from draftflow.core.params import ParamSpec
 from draftflow.core.ports import Candidates, Features, Proposal, TargetOutput, Verdict
 from draftflow.core.problems import Problem
@@ -33,7 +33,7 @@ from draftflow.core.target import (
 )
 
 __all__ = [
-    "BATCH", "Batch", "BufferSpec", "CacheCapacityError", "Candidates", "CheckError", "CommitInfo", "DraftflowError", "EMBED_BUFFER",
+    "BATCH", "Batch", "BufferSpec", "CacheCapacityError", "Candidates", "CheckError", "CommitInfo", "CycleCost", "DraftflowError", "EMBED_BUFFER",
     "ExpertPool", "Features", "GrammarSpec", "HEAD_BUFFER", "Incompatibility", "KV_TOKENS", "Manifest", "ModelFormatError", "Node",
     "NodeContext", "NodeType", "OwnershipError", "ParamSpec", "Port", "Problem", "Proposal", "RequestError",
     "RequestState", "SamplingParams", "SpecError", "TARGET_HANDLE", "TargetHandle", "TargetInfo", "TargetOutput", "Vram", "Verdict",

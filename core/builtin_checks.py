@@ -9,7 +9,7 @@ from draftflow.core.target import TARGET_HANDLE
 
 
 def check_roles(plan):
-    """Exactly one target and exactly one verifier."""
+    """Exactly one target and exactly one verifier; at most one draft-length policy."""
     for role, fix in (("target", "add a target node (e.g. plugin: target)"), ("verifier", "add a verifier node (plugin: verifier)")):
         names = [n for n, r in plan.nodes.items() if r.manifest.role == role]
         if not names and not _unresolved(plan):
@@ -17,6 +17,11 @@ def check_roles(plan):
         for extra in names[1:]:
             yield Problem(extra, "role", f"a second {role} (the first is '{names[0]}')", f"keep exactly one {role} node",
                           plan.nodes[extra].node_type.name, plan.spec.node(extra).where)
+    policies = [n for n, r in plan.nodes.items() if r.manifest.role == "policy"]
+    for extra in policies[1:]:
+        yield Problem(extra, "role", f"a second draft-length policy (the first is '{policies[0]}')",
+                      "keep one policy node (it chooses every cycle's K)", plan.nodes[extra].node_type.name,
+                      plan.spec.node(extra).where)
 
 
 def check_buffers(plan):

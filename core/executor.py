@@ -25,7 +25,7 @@ import torch
 
 from draftflow.core.errors import ModelFormatError, OwnershipError, RequestError
 from draftflow.core.manifest import DTYPES
-from draftflow.core.node import Batch, CommitInfo, Node, NodeContext, SamplingParams
+from draftflow.core.node import Batch, CommitInfo, CycleCost, Node, NodeContext, SamplingParams
 from draftflow.core.plan import GraphPlan
 from draftflow.core.ports import TargetOutput, Verdict
 from draftflow.core.request import ActiveRequest, CycleResult, CycleTimer, Result, TokenLogprob, active_processors
@@ -52,6 +52,7 @@ class Executor:
         self.roles = {n: plan.nodes[n].manifest.role for n in self.order}
         self.verifier = next(n for n in self.order if self.roles[n] == "verifier")
         self.target = next(n for n in self.order if self.roles[n] == "target")
+        self.policy = next((n for n in self.order if self.roles[n] == "policy"), None)  # chooses each cycle's K
         self.kv_tokens = plan.vram.kv_tokens if plan.vram else None
         self.max_batch = plan.vram.batch if plan.vram else 1  # request slots
         self.owned: dict[str, dict[str, torch.Tensor]] = {}
@@ -183,6 +184,7 @@ class Executor:
         the requests stay consistent and may be stepped on or finished.
         """
         self._check_states(states)
+        began = time.perf_counter()
         k = self.plan.spec.num_draft
         for req in states:  # never draft past the token budget: a cycle emits at most num_draft + 1 tokens
             req.num_draft = max(0, min(k, req.sampling.max_new_tokens - len(req.generated) - 1))
@@ -190,6 +192,15 @@ class Executor:
         for req in states:
             rows[req.slot] = req
         batch = Batch(rows, max(r.num_draft for r in states))
+        if self.policy is not None and batch.num_draft:
+            chosen = self.nodes[self.policy].choose_draft(batch)
+            if not isinstance(chosen, int) or isinstance(chosen, bool) or not 0 <= chosen <= batch.num_draft:
+                node = self.plan.nodes[self.policy].node_type.name
+                raise ModelFormatError(f"node '{self.policy}' ({node}) chose K={chosen!r}; a policy's choose_draft must "
+                                       f"return an integer in [0, {batch.num_draft}]")
+            for req in states:
+                req.num_draft = min(req.num_draft, chosen)
+            batch = Batch(rows, chosen)
         try:
             values = self._run_nodes(batch)
             verdicts = self._read_verdicts(batch, values)  # the cycle's one host sync
@@ -232,6 +243,10 @@ class Executor:
                 finish=req.finish_reason, logprobs=logprobs, processors=active_processors(req.sampling),
                 batch=len(states), num_draft=batch.num_draft))
             req.cycle += 1
+        if self.policy is not None:
+            self.nodes[self.policy].observe(CycleCost(len(states), batch.num_draft, draft_ms, verify_ms,
+                                                      (time.perf_counter() - began) * 1000,
+                                                      sum(len(r.emitted) for r in results)))
         if self.hook is not None:  # after every state is committed: a raising sink leaves them consistent
             for result in results:
                 emit_cycle(self.hook, result.event())

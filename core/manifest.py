@@ -16,7 +16,7 @@ import torch
 
 from draftflow.core.ports import PORT_TYPES
 
-ROLES = ("target", "drafter", "selector", "verifier", "other")
+ROLES = ("target", "drafter", "selector", "verifier", "policy", "other")
 LIFETIMES = ("persistent", "request", "cycle")
 DTYPES = {
     "float32": torch.float32,

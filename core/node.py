@@ -187,6 +187,18 @@ class Batch:
 
 
 @attrs.frozen
+class CycleCost:
+    """What one cycle cost, as a draft-length policy sees it (``Node.observe``; role "policy")."""
+
+    batch: int  # requests stepped together
+    num_draft: int  # the cycle's K
+    draft_ms: float  # drafter and selector nodes (GPU time on CUDA)
+    verify_ms: float  # target and verifier nodes
+    cycle_ms: float  # wall time of the whole cycle: every node, the host sync, the commits
+    emitted: int  # tokens emitted over all rows
+
+
+@attrs.frozen
 class CommitInfo:
     """What a cycle committed. After it, every node's state must describe ``req.tokens[:-1]`` plus the anchor."""
 
@@ -229,6 +241,17 @@ class Node:
     def release(self, req: RequestState) -> None:
         """The request left (finished, cancelled or replaced): drop what the node keeps for it. Its slot
         may be handed to a new request, whose ``prefill`` comes next."""
+
+    def choose_draft(self, batch: Batch) -> int:
+        """Role "policy" only: K for this cycle, in [0, batch.num_draft] (the most any row may draft now).
+
+        Called before any node steps; the rows' ``num_draft`` are then capped at the answer (0: no
+        drafting this cycle). The policy learns acceptance from ``commit`` and cost from ``observe``.
+        """
+        return batch.num_draft
+
+    def observe(self, cost: CycleCost) -> None:
+        """Role "policy" only: what the cycle just committed cost (after every row's ``commit``)."""
 
     def warmup(self) -> None:
         """Pay once, at load, what the first request would otherwise pay: compile kernels, capture the

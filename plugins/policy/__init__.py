@@ -1,0 +1,1 @@
+"""The adaptive draft-length policy node (adaptive_k)."""

@@ -1,0 +1,87 @@
+"""The `adaptive_k` node: chooses every cycle's draft length K from live acceptance and measured cost.
+
+For the rows of a cycle it picks the K in [0, K_max] that maximises expected emitted tokens
+per second of the whole batch, ``sum_rows E_row(K) / cost(batch, K)`` (model.py), down to
+K = 0 (target-only steps) when speculation cannot pay at this load. K_max is the graph's
+``num_draft`` (also capped by each row's token budget). Costs are learnt per batch size
+bucket: the first cycles at a bucket measure K_max and K = 0, later ones the best K; every
+``explore_every`` cycles a neighbour of the best (or an end point) is re-measured, so the
+table follows the load. Lossless like every K: only speed depends on it.
+"""
+
+from __future__ import annotations
+
+from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, hookimpl
+from draftflow.plugins.policy.model import Acceptance, CycleCosts
+
+PARAMS = (
+    ParamSpec("explore_every", "int", 16, "re-measure a neighbouring K every this many cycles of a batch size (0: never)",
+              minimum=0),
+    ParamSpec("step", "int", 2, "how far from the best K the re-measured neighbour lies", minimum=1),
+)
+
+
+def manifest(params, env) -> Manifest:
+    return Manifest(role="policy", provides={"policy.draft_length"})
+
+
+class AdaptiveK(Node):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.acceptance = Acceptance(max(ctx.num_draft, 1))
+        self.costs = CycleCosts()
+        self.cycles = 0
+
+    def choose_draft(self, batch) -> int:
+        k_max = batch.num_draft
+        rows = [req for _, req in batch.active()]
+        n = len(rows)
+        measured = self.costs.measured(n)
+        if k_max not in measured:  # first cycles at this batch size: measure both ends
+            choice = k_max
+        elif 0 not in measured:
+            choice = 0
+        else:
+            choice = self._best(rows, k_max)
+            every = self.ctx.params["explore_every"]
+            if every and self.cycles % every == every - 1:
+                choice = self._explore(n, choice, k_max)
+        return choice
+
+    def _best(self, rows, k_max: int) -> int:
+        rates = [(self.acceptance.rates(r.request_id), r.num_draft) for r in rows]
+        best, best_rate = 0, -1.0
+        for k in range(k_max + 1):
+            ms = self.costs.estimate(len(rows), k)
+            tokens = sum(self.acceptance.expected(a, min(k, cap)) for a, cap in rates)
+            rate = tokens / max(ms, 1e-6)
+            if rate > best_rate * (1 + 1e-9):  # ties go to the smaller K
+                best, best_rate = k, rate
+        return best
+
+    def _explore(self, n: int, best: int, k_max: int) -> int:
+        """The least recently measured of the best's neighbours and the two ends."""
+        step = self.ctx.params["step"]
+        options = {max(0, best - step), min(k_max, best + step), 0, k_max} - {best}
+        return min(sorted(options), key=lambda k: self.costs.last_seen(n, k)) if options else best
+
+    def observe(self, cost) -> None:
+        self.costs.add(cost.batch, cost.num_draft, cost.cycle_ms, self.cycles)
+        self.cycles += 1
+
+    def commit(self, req, info):
+        if info.num_draft:
+            self.acceptance.update(req.request_id, info.num_draft, info.accepted)
+        return {}
+
+    def release(self, req) -> None:
+        self.acceptance.forget(req.request_id)
+
+
+@hookimpl
+def draftflow_register_nodes(registry):
+    registry.add_node_type(NodeType(
+        name="adaptive_k", role="policy", manifest=manifest, factory=AdaptiveK, params=PARAMS,
+        capabilities=("policy.draft_length",),
+        description="chooses each cycle's draft length from live per-position acceptance and measured cycle cost "
+                    "(K = 0 when speculation cannot pay at the current load)"))
