@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from draftflow.plugin import (
+    BATCH,
+    KV_TOKENS,
     BufferSpec,
     Features,
     Incompatibility,
@@ -47,11 +49,19 @@ def target_manifest(params, env):
         role="target",
         inputs=(Port("proposal", "proposal", required=False),),
         outputs=(Port("logits", "logits"), Port("features", "features")),
-        owns=(BufferSpec("toy_kv", ("kv_tokens",), "int64", doc="tokens at their positions"),),
+        owns=(BufferSpec("toy_kv", (BATCH, KV_TOKENS), "int64", doc="tokens at their positions, one row per slot"),),
         vram=Vram(weights=params["weights_bytes"]),
         provides=provides,
         max_tokens=params["context"],
     )
+
+
+def padded(rows: list[list[int] | None]) -> Proposal:
+    """A [n, K'] proposal from per-row drafts (None: a pad row); K' = the longest, lengths set when ragged."""
+    width = max((len(r) for r in rows if r is not None), default=0)
+    tokens = torch.tensor([(r or []) + [0] * (width - len(r or [])) for r in rows], dtype=torch.long).reshape(len(rows), width)
+    ragged = any(r is not None and len(r) != width for r in rows)
+    return Proposal(tokens, lengths=torch.tensor([len(r or []) for r in rows]) if ragged else None)
 
 
 class ToyTarget(Node):
@@ -62,8 +72,8 @@ class ToyTarget(Node):
         super().__init__(ctx)
         self.vocab_size = ctx.params["vocab"]
         self.eos_ids = tuple(ctx.params["eos"])
-        self.kv = ctx.buffers["toy_kv"]  # [kv_tokens]
-        self.length = 0
+        self.kv = ctx.buffers["toy_kv"]  # [max_batch, kv_tokens]
+        self.lengths = [0] * ctx.max_batch  # committed length per slot
         self.extra = torch.zeros(ctx.params["hidden_bytes"] // 4, dtype=torch.float32)
 
     def tensors(self):
@@ -75,27 +85,32 @@ class ToyTarget(Node):
 
     def prefill(self, req):
         n = len(req.tokens) - 1
-        self.kv[:n] = torch.tensor(req.tokens[:n])
-        self.length = n
+        self.kv[req.slot, :n] = torch.tensor(req.tokens[:n])
+        self.lengths[req.slot] = n
         return {"features": Features(torch.zeros(1, n, 4), 0)}
 
-    def step(self, req, inputs):
+    def step(self, batch, inputs):
         proposal = inputs.get("proposal")
-        drafts = proposal.tokens[0].tolist() if proposal is not None else []
-        window = [req.anchor] + drafts
-        pos = req.position
-        assert self.length == pos, f"toy target KV length {self.length} != anchor position {pos}"
-        self.kv[pos:pos + len(window)] = torch.tensor(window)
-        logits = torch.full((1, len(window), self.vocab_size), -5.0)
-        for i, tok in enumerate(window):
-            logits[0, i, next_token(tok, self.vocab_size)] = 5.0
-        return {"logits": TargetOutput(logits), "features": Features(torch.ones(1, len(window), 4), pos)}
+        drafts = proposal.tokens if proposal is not None else torch.empty(batch.size, 0, dtype=torch.long)  # [n, K]
+        anchors = torch.tensor([r.anchor if r is not None else 0 for r in batch.rows])  # [n]
+        window = torch.cat([anchors[:, None], drafts], dim=1)  # [n, 1+K]
+        for i, req in batch.active():  # pad rows write nothing: their slot's state stays as committed
+            pos = req.position
+            assert self.lengths[i] == pos, f"toy target KV length {self.lengths[i]} != anchor position {pos} in slot {i}"
+            real = 1 + min(req.num_draft, drafts.shape[1])  # the padding columns past it are never committed
+            self.kv[i, pos:pos + real] = window[i, :real]
+        logits = torch.full((*window.shape, self.vocab_size), -5.0)  # [n, 1+K, V]
+        logits.scatter_(-1, ((3 * window + 1) % self.vocab_size)[..., None], 5.0)  # next_token of every window token
+        return {"logits": TargetOutput(logits)}
 
     def commit(self, req, info):
-        self.length = len(req.tokens) - 1
-        stored = self.kv[:self.length].tolist()
-        assert stored == req.tokens[:self.length], "toy target KV disagrees with the committed tokens"
+        self.lengths[req.slot] = len(req.tokens) - 1
+        stored = self.kv[req.slot, :self.lengths[req.slot]].tolist()
+        assert stored == req.tokens[:-1], f"toy target KV of slot {req.slot} disagrees with the committed tokens"
         return {"features": Features(torch.ones(1, info.accepted + 1, 4), info.position)}
+
+    def release(self, req):
+        self.lengths[req.slot] = 0
 
 
 def drafter_manifest(params, env):
@@ -116,18 +131,23 @@ class ToyDrafter(Node):
         super().__init__(ctx)
         self.wrong_at = set(ctx.params["wrong_at"])
         self.vocab = ctx.params["vocab"]
-        self.features_seen = []
+        self.features_seen = []  # (start, T) of each stepped row's carried features, in step order
 
-    def step(self, req, inputs):
-        feats = inputs.get("features")
-        self.features_seen.append(None if feats is None else (feats.start, feats.hidden.shape[1]))
+    def draft(self, req) -> list[int]:
         out, prev = [], req.anchor
         for i in range(req.num_draft):
             prev = next_token(prev, self.vocab)
             out.append((prev + 1) % self.vocab if i in self.wrong_at else prev)
+        return out
+
+    def step(self, batch, inputs):
+        feats = inputs.get("features") or [None] * batch.size  # carried: one value per row
+        for i, _ in batch.active():
+            f = feats[i]
+            self.features_seen.append(None if f is None else (f.start, f.hidden.shape[1]))
         if self.ctx.params["scribble"]:
             self.ctx.shared["toy_kv"].add_(0)  # an in-place write to a buffer it does not own
-        return {"proposal": Proposal(torch.tensor([out], dtype=torch.long).reshape(1, len(out)))}
+        return {"proposal": padded([self.draft(r) if r is not None else None for r in batch.rows])}
 
 
 @hookimpl
