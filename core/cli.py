@@ -107,13 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' (repeatable; also $DRAFTFLOW_API_KEY)")
     sv.add_argument("--served-model-name", dest="model_names", action="append", default=[], metavar="NAME",
                     help="model name(s) clients send (default: the graph's name)")
+    sv.add_argument("--max-batch", metavar="N", help="requests generated together, one request slot each, or 'auto' "
+                                                     "(default: the graph's max_batch if it sets one, else auto: as many "
+                                                     "as the VRAM plan fits, at most 64)")
     sv.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 503")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     sv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     sv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
     sv.add_argument("--spec-stats", action="store_true", help="add speculative_decoding stats to every response")
-    sv.add_argument("--max-n", type=int, default=8, help="largest n / best_of a request may ask for (choices run one "
-                                                        "after another)")
+    sv.add_argument("--max-n", type=int, default=8, help="largest n / best_of a request may ask for (each choice takes "
+                                                        "a request slot)")
     sv.add_argument("--trace", metavar="FILE.jsonl",
                     help="write every cycle and request event as JSON lines (an existing trace is overwritten)")
     _add_threads_arg(sv)

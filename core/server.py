@@ -9,7 +9,6 @@ cycle). Endpoints, fields, errors and metrics: docs/SERVING.md.
 
 from __future__ import annotations
 
-import errno
 import hmac
 import json
 import os
@@ -27,16 +26,17 @@ import attrs
 import structlog
 
 from draftflow.core.errors import DraftflowError
+from draftflow.core.listen import backlog, check_listen, listen_error, listen_family
 from draftflow.core.openai_api import Api, ApiError, Choice, chunk, now, response
 from draftflow.core.serving import Engine, QueueFull, ServeRequest
 from draftflow.core.session import Session
+from draftflow.core.spec import MAX_BATCH, apply_overrides, read_graph_dict
 
 log = structlog.get_logger("draftflow")
 POLL_S = 0.1  # how often a waiting handler checks whether its client is still there
 DRAIN_LIMIT = 64 << 20  # an oversize body up to this size is read and dropped so the client sees the 413
+RETRY_AFTER_S = 1  # a 503 (waiting line full, shutting down) asks the client to retry after this many seconds
 IDLE_TIMEOUT_S = 60.0  # a connection that sends nothing (idle keep-alive, half a request) for this long is closed
-BACKLOG_MIN = 128  # listen backlog floor: the classic SOMAXCONN (the kernel caps any value at net.core.somaxconn)
-BACKLOG_MAX = 65535
 
 
 @attrs.frozen
@@ -98,7 +98,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send_error(self, err: ApiError) -> None:
         self.server.engine.metrics.http_error(err.status)
-        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": str(RETRY_AFTER_S)}}.get(err.status)
         self._send_json(err.status, err.body(), headers)
 
     def _fail(self, exc: Exception, request_id: str | None = None) -> None:
@@ -270,7 +270,8 @@ class Handler(BaseHTTPRequestHandler):
                 continue
             c.finish, info = event[2], event[3]
             if info is not None:  # the last choice
-                return self._send_json(200, response(parsed, req.id, now(), list(choices.values()), info),
+                ordered = [choices[i] for i in sorted(choices)]  # the choices ran side by side: ends in any order
+                return self._send_json(200, response(parsed, req.id, now(), ordered, info),
                                        {"X-Request-Id": req.id})
 
     def _stream(self, parsed, req: ServeRequest) -> None:
@@ -324,54 +325,6 @@ def _event_error(event, parsed) -> ApiError:
     return ApiError(status, message, param=param, type_="server_error" if status >= 500 else "invalid_request_error")
 
 
-def backlog(max_waiting: int) -> int:
-    """The listen backlog for a server that lets ``max_waiting`` requests wait.
-
-    Connections of a burst queue in the kernel until the accept loop takes them; past the
-    backlog they are reset (the standard library's default of 5 reset 27 of 96 connections
-    of 32 clients). A burst can be the whole waiting line at once, each request on its own
-    connection, plus as many again past the line (who must get their 503, not a reset),
-    plus some health checks and metric scrapes (16). 128 is the floor; the kernel caps the
-    value at net.core.somaxconn.
-    """
-    return min(max(BACKLOG_MIN, 2 * max_waiting + 16), BACKLOG_MAX)
-
-
-def listen_family(host: str, port: int) -> int:
-    """The address family (IPv4 or IPv6) of ``host``; raises DraftflowError when it cannot be listened on."""
-    if not 0 <= port <= 65535:
-        raise DraftflowError(f"--port {port} is outside 0..65535; choose a free port, or 0 to let the system pick one")
-    try:
-        return socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    except (OSError, UnicodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise DraftflowError(f"--host {host!r}: cannot resolve it ({reason}); pass an address of this machine such "
-                             "as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
-
-
-def listen_error(host: str, port: int, exc: OSError) -> str:
-    """The one-line message for a failed bind."""
-    where = f"cannot listen on {host}:{port}"
-    if exc.errno == errno.EADDRINUSE:
-        return f"{where}: the address is already in use (another server?); stop it or choose another --port"
-    if exc.errno == errno.EACCES:
-        return f"{where}: permission denied (ports below 1024 need root); choose a --port of 1024 or above"
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return f"{where}: {host} is not an address of this machine; use 127.0.0.1 or 0.0.0.0 as --host"
-    return f"{where}: {exc.strerror or exc}; check --host and --port"
-
-
-def check_listen(host: str, port: int) -> None:
-    """Bind and release ``host:port`` once, so a taken port is reported before the model loads."""
-    family = listen_family(host, port)
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
-            probe.bind((host, port))
-    except OSError as exc:
-        raise DraftflowError(listen_error(host, port, exc)) from None
-
-
 class DraftflowServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
@@ -423,6 +376,22 @@ def serve(session, config: ServeConfig, ready=None) -> None:
         sys.stdout.flush()
 
 
+def batch_overrides(graph: Path, overrides: list, max_batch: str | None) -> list:
+    """The graph overrides `serve` runs with: ``--max-batch`` sets the graph's max_batch (after any ``--set``);
+    without it, a graph that leaves max_batch out (file and ``--set``) is served with ``max_batch: auto``."""
+    if max_batch is not None:
+        value = max_batch.strip()
+        if value != "auto" and not (value.isdigit() and 1 <= int(value) <= MAX_BATCH):
+            raise DraftflowError(f"--max-batch {max_batch!r}: it must be an integer from 1 to {MAX_BATCH} or 'auto'")
+        return [*overrides, (f"--max-batch {value}", f"max_batch={value}")]
+    try:
+        data, located = read_graph_dict(graph)
+        data = apply_overrides(data, list(overrides), located=located)
+    except DraftflowError:  # Session.open reports it together with every other problem
+        return list(overrides)
+    return list(overrides) if "max_batch" in data else [*overrides, ("max_batch auto (serve's default)", "max_batch=auto")]
+
+
 def run_serve(args) -> int:
     """`draftflow serve GRAPH`: check and open the graph, then listen until SIGINT / SIGTERM."""
     for flag in ("max_waiting", "max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_n"):
@@ -434,13 +403,15 @@ def run_serve(args) -> int:
     for flag, values in (("--api-key", args.api_keys), ("--served-model-name", args.model_names)):
         if any(not v.strip() for v in values):
             raise DraftflowError(f"{flag} is empty; pass a non-empty value")
+    overrides = batch_overrides(Path(args.graph), args.overrides, args.max_batch)
     keys = tuple(args.api_keys) or tuple(k for k in [os.environ.get("DRAFTFLOW_API_KEY")] if k)
     check_listen(args.host, args.port)  # a taken port or a wrong --host before the model loads
     # Session.open runs the full `check` (every problem at once) before anything is allocated or bound.
-    session = Session.open(graph_path=Path(args.graph), overrides=args.overrides, trace=args.trace,
+    session = Session.open(graph_path=Path(args.graph), overrides=overrides, trace=args.trace,
                            threads=getattr(args, "threads", None))
     print(f"draftflow serve: graph '{session.plan.spec.name}' checked: {len(session.plan.order)} nodes, "
-          f"num_draft {session.plan.spec.num_draft}, context {session.executor.kv_tokens} tokens", file=sys.stderr)
+          f"num_draft {session.plan.spec.num_draft}, context {session.executor.kv_tokens} tokens, "
+          f"max_batch {session.executor.max_batch}", file=sys.stderr)
     config = ServeConfig(host=args.host, port=args.port, api_keys=keys, max_body_bytes=args.max_body_bytes,
                          max_waiting=args.max_waiting, max_tokens_limit=args.max_tokens_limit,
                          default_max_tokens=args.default_max_tokens, model_names=tuple(args.model_names),

@@ -1,18 +1,23 @@
-"""Serving: a fair request queue and one worker thread that owns the executor.
+"""Serving: one worker thread owns the executor and runs every admitted request in one batch.
 
-The executor runs one request at a time and knows nothing about HTTP. The worker takes
-requests from a ``FairQueue`` (round-robin over client keys) and drives the executor's
-step API itself: ``start``, then ``step`` one cycle at a time; between cycles it turns the
-committed tokens into text deltas for the waiting HTTP handler, looks for stop strings and
-checks whether the request was cancelled (client gone, server closing), and ends the
-request with ``finish`` (which sends the ``request_done`` event and produces the summary).
-A request the worker abandons (an error mid-cycle) is replaced by the next ``start``,
-which re-prefills every node, so the executor stays usable.
+HTTP threads only parse, queue (``FairQueue``: round-robin over client keys, FIFO within a
+client) and write. The worker loops over draft cycles:
 
-A request for ``n`` choices (or ``best_of`` candidates) runs them one after another, candidate
-i seeded ``seed + i``; each prefills the prompt again (one live request at a time: no shared
-prefill before batching). With logprobs asked for (or needed to rank ``best_of``), each delta
-carries the logprobs of the tokens whose text it releases (core/openai_logprobs.py).
+1. **reap**: a request whose client went away (or that the server is shutting down) is
+   ended with ``finish(reason="cancelled")``, which frees its slot before the next cycle;
+2. **admit**: while the executor has a free slot, the next candidate of an already admitted
+   request (``n`` / ``best_of``) or else the next request of the fair queue is ``start``-ed
+   (prefilled into the free slot; the live requests are untouched);
+3. **step** every live request in one ``Executor.step`` (one batched cycle, one host sync),
+   then per request: the committed tokens become text deltas for its HTTP handler, a stop
+   string or the executor's own finish (EOS, stop token, max_tokens) ends it with
+   ``finish``, and its slot is free for step 2 of the next loop.
+
+No request starves: an admitted request runs to its end (nothing preempts it and each has a
+max_tokens budget), and the waiting line is served round-robin across clients, FIFO within
+one. A failed ``start`` fails only the joining request (400 for a DraftflowError, else 500);
+a failed ``step`` invalidates every live request (the executor drops them), so each request
+in that cycle gets the error and the next cycle starts with new requests only.
 """
 
 from __future__ import annotations
@@ -21,63 +26,21 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 
 import attrs
 import structlog
 
 from draftflow.core.errors import DraftflowError
-from draftflow.core.node import MAX_SEED, SamplingParams
-from draftflow.core.openai_logprobs import TokenText, TokenTexts
+from draftflow.core.fair_queue import FairQueue, QueueFull
+from draftflow.core.node import SamplingParams
+from draftflow.core.serve_candidate import Candidate
 from draftflow.core.serve_metrics import Metrics
 from draftflow.core.tracing import RequestStats
 
+__all__ = ["Engine", "QueueFull", "ServeRequest"]
 log = structlog.get_logger("draftflow")
-
-
-class QueueFull(Exception):
-    """Raised by ``FairQueue.put`` when ``max_waiting`` requests are already waiting (HTTP 503)."""
-
-
-class StopScanner:
-    """Turns committed token ids into text deltas, holding back what a stop string may still claim.
-
-    After every cycle the whole output is decoded again (byte-level BPE decoding is
-    prefix-stable except for an unfinished UTF-8 character, shown as U+FFFD and held back).
-    The earliest occurrence of any stop string ends the text just before it; a tail that is
-    a prefix of some stop string is held back until it is decided.
-    """
-
-    def __init__(self, decode, stop: tuple[str, ...] = ()):
-        self.decode, self.stop = decode, tuple(stop)
-        self.longest = max((len(s) for s in self.stop), default=0)
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already handed out
-
-    def feed(self, ids) -> tuple[str, bool]:
-        """Add committed ids; return (text safe to send now, whether a stop string was hit)."""
-        self.ids.extend(ids)
-        text = self.decode(self.ids)
-        if self.stop:
-            start = max(0, self.sent - self.longest + 1)
-            hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
-            if hits:
-                end = max(min(hits), self.sent)
-                delta, self.sent = text[self.sent:end], end
-                return delta, True
-        safe = len(text.rstrip("\ufffd"))
-        for k in range(min(self.longest - 1, safe - self.sent), 0, -1):
-            if any(s.startswith(text[safe - k:safe]) for s in self.stop):
-                safe -= k
-                break
-        delta, self.sent = text[self.sent:safe], max(safe, self.sent)
-        return delta, False
-
-    def flush(self) -> str:
-        """Everything not yet sent (the request ended without a stop string)."""
-        text = self.decode(self.ids)
-        delta, self.sent = text[self.sent:], len(text)
-        return delta
+IDLE_WAIT_S = 0.2  # how long an idle worker blocks on the queue before it looks at the closing flag again
 
 
 @attrs.define(eq=False)
@@ -86,8 +49,9 @@ class ServeRequest:
 
     Events: ``("delta", index, text, pieces)`` (``pieces``: the openai_logprobs.TokenText of the
     tokens this text belongs to, or None without logprobs), ``("finish", index, finish_reason, info)``
-    (``info``, the usage and stats of the whole request, on the last choice only), and
-    ``("error", status, message)``. Choices come one after another, in index order.
+    (``info``, the usage and stats of the whole request, on the last event only), and
+    ``("error", status, message)``. The choices of a streamed ``n > 1`` request run side by side,
+    so their deltas interleave (each carries its index); the finish with ``info`` comes last.
     """
 
     id: str
@@ -103,80 +67,32 @@ class ServeRequest:
     enqueued_at: float = attrs.field(factory=time.perf_counter)
     started_at: float | None = None
     first_token_at: float | None = None
-    stats: RequestStats = attrs.field(factory=RequestStats)  # the executor's, once started (metrics read it)
+    stats: RequestStats = attrs.field(factory=RequestStats)  # every candidate's cycles (metrics read it)
+    candidates: list = attrs.field(factory=list)  # its Candidates, once admitted
+    open: int = 0  # candidates not finished yet
+    failed: bool = False  # an error event went out; nothing more is sent
 
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-class FairQueue:
-    """Waiting requests, one FIFO lane per client key, served round-robin across lanes.
-
-    ``get`` takes the head of the first lane and moves that lane to the back, so a client
-    with 100 waiting requests and a client with 1 alternate instead of queueing in order.
-    """
-
-    def __init__(self, max_waiting: int):
-        self.max_waiting = max_waiting
-        self._lanes: OrderedDict[str, deque] = OrderedDict()
-        self._size = 0
-        self._cv = threading.Condition()
-
-    def __len__(self) -> int:
-        return self._size
-
-    def put(self, req: ServeRequest) -> None:
-        with self._cv:
-            if self._size >= self.max_waiting:
-                raise QueueFull(f"{self._size} requests are waiting (the limit is {self.max_waiting}); retry later")
-            self._lanes.setdefault(req.client, deque()).append(req)
-            self._size += 1
-            self._cv.notify()
-
-    def get(self, timeout: float) -> ServeRequest | None:
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._size > 0, timeout):
-                return None
-            key, lane = self._lanes.popitem(last=False)
-            req = lane.popleft()
-            if lane:
-                self._lanes[key] = lane  # back of the rotation
-            self._size -= 1
-            return req
-
-    def remove(self, req: ServeRequest) -> bool:
-        """Take a waiting request out (its client went away); False if it is not waiting."""
-        with self._cv:
-            lane = self._lanes.get(req.client)
-            if lane is None or req not in lane:
-                return False
-            lane.remove(req)
-            if not lane:
-                del self._lanes[req.client]
-            self._size -= 1
-            return True
-
-    def drain(self) -> list[ServeRequest]:
-        with self._cv:
-            out = [r for lane in self._lanes.values() for r in lane]
-            self._lanes.clear()
-            self._size = 0
-            return out
-
-
 class Engine:
-    """Owns a ``Session``; one worker thread runs queued requests through its executor in turn."""
+    """Owns a ``Session``; one worker thread runs the admitted requests through its executor, batched."""
 
-    def __init__(self, session, max_waiting: int = 64, start: bool = True):
+    def __init__(self, session, max_waiting: int = 64, start: bool = True, decode=None):
+        """``decode``: token ids -> text (default: the target's tokenizer); ``start``: run the worker now."""
         self.session = session
         self.executor = session.executor
+        self.max_batch = self.executor.max_batch
         self.queue = FairQueue(max_waiting)
-        self.metrics = Metrics()
-        self.running: ServeRequest | None = None
+        self.metrics = Metrics(slots=self.max_batch)
+        self.live: list[Candidate] = []  # candidates holding a slot, in the order they started
+        self.ready: deque[Candidate] = deque()  # candidates of admitted requests waiting for a slot
+        self.admitted: list[ServeRequest] = []  # taken from the queue, not answered yet
         self._closing = threading.Event()
         tokenizer = self.executor.handle.tokenizer
-        self.decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
+        self.decode = decode or (tokenizer.decode if tokenizer is not None else (lambda ids: ""))
         self._thread = threading.Thread(target=self._work, name="draftflow-worker", daemon=True)
         if start:
             self._thread.start()
@@ -193,7 +109,7 @@ class Engine:
         self.metrics.set_gauges(waiting=len(self.queue))
 
     def cancel(self, req: ServeRequest) -> None:
-        """Client went away: drop it from the queue, or stop it after its current cycle."""
+        """Client went away: drop it from the queue, or end it before the next cycle."""
         req.cancelled.set()
         if self.queue.remove(req):
             self.metrics.finish(req, "cancelled", 0)
@@ -201,8 +117,6 @@ class Engine:
 
     def close(self) -> None:
         self._closing.set()
-        if self.running is not None:
-            self.running.cancelled.set()
         for req in self.queue.drain():
             req.events.put(("error", 503, "the server is shutting down"))
         if self._thread.is_alive():
@@ -210,121 +124,177 @@ class Engine:
 
     # --- worker -------------------------------------------------------------------------
     def _work(self) -> None:
-        while not self._closing.is_set():
-            req = self.queue.get(timeout=0.2)
-            if req is None:
-                continue
-            self.metrics.set_gauges(waiting=len(self.queue), running=1)
-            try:
-                self._run(req)
-            finally:
-                self.running = None
-                self.metrics.set_gauges(waiting=len(self.queue), running=0)
+        while True:
+            closing = self._closing.is_set()
+            if closing:  # the admitted requests end as cancelled (their clients get what was generated)
+                for req in self.admitted:
+                    req.cancelled.set()
+            self._reap()
+            if closing and not self.live:
+                return
+            if not closing:
+                self._admit()
+            if self.live:
+                self._cycle()
+            self._gauges()
 
-    def _run(self, req: ServeRequest) -> None:
+    def _gauges(self) -> None:
+        self.metrics.set_gauges(waiting=len(self.queue), running=len(self.admitted), batch=len(self.live))
+
+    def _reap(self) -> None:
+        """End every cancelled request's candidates (live ones through ``finish``, which frees their slots)."""
+        for cand in [c for c in self.live if c.req.cancelled.is_set()]:
+            self._end(cand, "cancelled")
+        for cand in [c for c in self.ready if c.req.cancelled.is_set()]:
+            self.ready.remove(cand)
+            cand.finish = "cancelled"
+            self._closed(cand)
+
+    def _admit(self) -> None:
+        """Fill the free slots: waiting candidates of admitted requests first, then the fair queue's next requests.
+        With nothing live, wait for a request instead of spinning."""
+        wait = IDLE_WAIT_S if not self.live and not self.ready else 0
+        while self.executor.free_slots > 0:
+            if not self.ready:
+                req = self.queue.get(timeout=wait)
+                wait = 0
+                if req is None:
+                    return
+                self._accept(req)
+                continue
+            self._start(self.ready.popleft())
+
+    def _accept(self, req: ServeRequest) -> None:
+        """A request leaves the queue: its candidates wait for slots (the first one gets the free slot at once)."""
         if req.cancelled.is_set():
             self.metrics.finish(req, "cancelled", 0)
             return
         req.started_at = time.perf_counter()
-        req.stats = RequestStats()  # every candidate's cycles, for the metrics
-        self.running = req
-        live = req.best_of == req.n  # choices go out as they are generated; best_of waits for the best
-        candidates = []
+        req.stats = RequestStats()
+        req.candidates = [Candidate.of(req, i, self.decode) for i in range(req.best_of)]
+        req.open = len(req.candidates)
+        self.admitted.append(req)
+        self.ready.extend(req.candidates)
+        self.metrics.admitted(req)
+
+    def _start(self, cand: Candidate) -> None:
         try:
-            for i in range(req.best_of):
-                candidates.append(self._generate(req, i, live))
-                if req.cancelled.is_set():
-                    break
-                if live and i < req.best_of - 1:  # the last choice's finish carries the request's info
-                    req.events.put(("finish", i, candidates[-1].finish, None))
+            cand.state = self.executor.start(cand.req.prompt_ids, cand.sampling, cand.request_id)
         except DraftflowError as exc:  # RequestError: prompt past the context, ids outside the vocabulary
-            self.metrics.finish(req, "error", 0)
-            req.events.put(("error", 400, str(exc)))
+            self._fail(cand.req, 400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug must not take the server down; only this prefill failed
+            self._fail(cand.req, 500, self._internal(cand.req, exc))
+        else:
+            self.live.append(cand)
+
+    def _cycle(self) -> None:
+        """One batched cycle for every live candidate, then each one's deltas, stop strings and finish."""
+        cands = list(self.live)
+        try:
+            results = self.executor.step([c.state for c in cands])
+        except Exception as exc:  # noqa: BLE001 - the executor dropped every live request; each gets the error
+            for req in dict.fromkeys(c.req for c in cands):
+                status = 400 if isinstance(exc, DraftflowError) else 500
+                self._fail(req, status, str(exc) if status == 400 else self._internal(req, exc))
             return
-        except Exception as exc:  # noqa: BLE001 - a bug must not take the server down
-            log.error("request_failed", status=500, request_id=req.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-            self.metrics.finish(req, "error", 0)
-            req.events.put(("error", 500, f"internal error while generating: {type(exc).__name__}: {exc}"))
+        now = time.perf_counter()
+        self.metrics.cycle(results, now)
+        for cand, cycle in zip(cands, results):
+            req = cand.req
+            if req.failed:  # an earlier candidate's finish failed it
+                continue
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self.metrics.first_token(req)
+            hit = cand.feed(cycle)
+            if hit:
+                self._end(cand, "stop")
+            elif req.cancelled.is_set():
+                self._end(cand, "cancelled")
+            elif cycle.finish is not None:
+                self._end(cand, None)
+
+    def _end(self, cand: Candidate, reason: str | None) -> None:
+        """Finish one candidate (its slot is free afterwards); the request is answered once all have ended.
+
+        ``reason``: None = the executor's own finish, "stop" = a stop string, "cancelled"."""
+        self.live.remove(cand)
+        req = cand.req
+        try:
+            if reason != "stop":
+                cand.flush()
+            cand.done(self.executor.finish(cand.state, reason, kept=len(cand.scanner.ids)))
+        except Exception as exc:  # noqa: BLE001 - e.g. a request_done sink that raises
+            if not cand.state.done:
+                self._drop(cand)
+            self._fail(req, 500, self._internal(req, exc))
             return
+        merge_stats(req.stats, cand.state.stats)
+        self._closed(cand)
+
+    def _closed(self, cand: Candidate) -> None:
+        """One candidate is over (finished, or cancelled before it started): the request's finish event(s)."""
+        req = cand.req
+        req.open -= 1
+        if req.open > 0:
+            if cand.live and cand.result is not None:
+                req.events.put(("finish", cand.index, cand.finish, None))
+            return
+        self.admitted.remove(req)
         done = time.perf_counter()
-        generated = sum(len(c.result.token_ids) for c in candidates)
-        stats = candidates[0].result.stats if len(candidates) == 1 else {
-            **req.stats.summary(), "tokens_per_s": round(generated / (done - req.started_at), 3),
-            "choices": [c.result.stats for c in candidates]}
+        ran = [c for c in req.candidates if c.result is not None]
+        generated = sum(len(c.result.token_ids) for c in ran)
+        if len(req.candidates) == 1 and ran:
+            stats = ran[0].result.stats
+        else:
+            stats = {**req.stats.summary(), "tokens_per_s": round(generated / (done - req.started_at), 3),
+                     "choices": [c.result.stats for c in ran]}
         info = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
                 "stats": {**stats, "queue_s": round(req.started_at - req.enqueued_at, 6),
                           "latency_s": round(done - req.enqueued_at, 6)}}
-        if live:
-            req.events.put(("finish", len(candidates) - 1, candidates[-1].finish, info))
-            chosen = candidates
+        if cand.live:  # the other choices' finish events went out as they ended
+            req.events.put(("finish", cand.index, cand.finish, info))
+            chosen = ran
         else:  # best_of: the n likeliest candidates, best first
-            chosen = sorted(candidates, key=lambda c: -c.logprob)[:req.n]
+            chosen = sorted(ran, key=lambda c: -c.logprob)[:req.n]
             for index, c in enumerate(chosen):
                 for _, _, text, pieces in c.deltas:
                     req.events.put(("delta", index, text, pieces))
                 req.events.put(("finish", index, c.finish, info if index == len(chosen) - 1 else None))
-        reason = "cancelled" if req.cancelled.is_set() else chosen[0].finish
+            if not chosen:
+                req.events.put(("finish", 0, "cancelled", info))
+        reason = "cancelled" if req.cancelled.is_set() or not chosen else chosen[0].finish
         self.metrics.finish(req, reason, generated, done)
 
-    def _generate(self, req: ServeRequest, index: int, live: bool) -> Candidate:
-        """One candidate through start/step/finish, its deltas streamed (``live``) or kept; a stop string or a
-        cancel ends it between cycles."""
-        ex = self.executor
-        sampling = req.sampling
-        if sampling.seed is not None and index:  # candidate i of a seeded request: seed + i
-            sampling = attrs.evolve(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))
-        state = ex.start(req.prompt_ids, sampling, req.id if index == 0 else f"{req.id}-{index}")
-        scanner = StopScanner(self.decode, req.stop)
-        texts = TokenTexts(self.decode, req.prompt_ids) if sampling.logprobs is not None else None
-        out = Candidate()
-        pending: list[TokenText] = []  # pieces of tokens whose text is not sent yet
+    def _fail(self, req: ServeRequest, status: int, message: str) -> None:
+        """End every candidate of ``req`` (freeing its slots) and send one error event."""
+        if req.failed:
+            return
+        req.failed = True
+        for cand in req.candidates:
+            if cand in self.live:
+                self.live.remove(cand)
+                self._drop(cand)
+            elif cand in self.ready:
+                self.ready.remove(cand)
+        if req in self.admitted:
+            self.admitted.remove(req)
+        self.metrics.finish(req, "error", 0)
+        req.events.put(("error", status, message))
 
-        def send(text: str, upto: int | None) -> None:
-            nonlocal pending
-            pieces = None
-            if texts is not None:  # the tokens whose text starts in what was sent so far
-                keep = len(pending) if upto is None else sum(p.offset < upto for p in pending)
-                pieces, pending = pending[:keep], pending[keep:]
-                out.kept.extend(pieces)
-            if text or pieces:
-                event = ("delta", index, text, pieces if req.logprobs else None)
-                req.events.put(event) if live else out.deltas.append(event)
+    def _drop(self, cand: Candidate) -> None:
+        """End a candidate that failed: its slot is freed (its request_done says "error")."""
+        if cand.state.done:
+            return
+        try:
+            self.executor.finish(cand.state, "error")
+        except Exception:  # noqa: BLE001 - the request's error event is what the client needs to see
+            pass
 
-        reason = None  # None: the executor's own finish (EOS, stop token, max_new_tokens)
-        while True:
-            (cycle,) = ex.step([state])
-            if req.first_token_at is None:
-                req.first_token_at = time.perf_counter()
-            if texts is not None:
-                pending += [texts.add(lp.token, lp.logprob, lp.top) for lp in cycle.logprobs or ()]
-            delta, hit = scanner.feed(cycle.emitted)
-            send(delta, scanner.sent)
-            if hit:  # the text ends before the stop string; every committed token still counts
-                reason = "stop"
-                break
-            if req.cancelled.is_set():
-                reason = "cancelled"
-                break
-            if cycle.finish is not None:
-                break
-        if reason != "stop":
-            send(scanner.flush(), None)
-        out.result = ex.finish(state, reason, kept=len(scanner.ids))
-        merge_stats(req.stats, state.stats)
-        out.finish = out.result.finish_reason
-        out.logprob = sum(p.logprob for p in out.kept)
-        return out
-
-
-@attrs.define(eq=False)
-class Candidate:
-    """One generated choice: its result, the deltas kept for later (best_of), its kept tokens' pieces."""
-
-    result: object = None  # the executor's Result
-    finish: str = ""
-    deltas: list = attrs.field(factory=list)
-    kept: list = attrs.field(factory=list)  # TokenText of the tokens whose text is returned
-    logprob: float = 0.0  # their total logprob (best_of ranks by it)
+    @staticmethod
+    def _internal(req: ServeRequest, exc: Exception) -> str:
+        log.error("request_failed", status=500, request_id=req.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        return f"internal error while generating: {type(exc).__name__}: {exc}"
 
 
 def merge_stats(total: RequestStats, part: RequestStats) -> None:

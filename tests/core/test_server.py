@@ -294,7 +294,8 @@ def test_worker_steps_and_cancels_between_cycles():
 def test_fair_queue_round_robin():
     """Requests are taken round-robin across client keys, FIFO within one; the limit raises QueueFull."""
     from draftflow.core.node import SamplingParams
-    from draftflow.core.serving import FairQueue, QueueFull, ServeRequest
+    from draftflow.core.fair_queue import FairQueue, QueueFull
+    from draftflow.core.serving import ServeRequest
 
     q = FairQueue(max_waiting=4)
     reqs = [ServeRequest(name, [1], SamplingParams(), client=name[0]) for name in ("a1", "a2", "a3", "b1")]
@@ -308,7 +309,7 @@ def test_fair_queue_round_robin():
 
 def test_stop_scanner_holds_back_partial_stop():
     """Text that may start a stop string is held back, released when it does not, cut when it does."""
-    from draftflow.core.serving import StopScanner
+    from draftflow.core.stop_strings import StopScanner
 
     vocab = {1: "ab", 2: "c#", 3: "#d", 4: "e"}
     s = StopScanner(lambda ids: "".join(vocab[i] for i in ids), ("##",))
