@@ -23,7 +23,7 @@ from draftflow.core.hookspecs import hookimpl
 log = structlog.get_logger("draftflow")
 
 CYCLE_FIELDS = ("request_id", "cycle", "position", "anchor", "draft", "accepted", "emitted",
-                "draft_ms", "verify_ms", "commit_ms")
+                "draft_ms", "verify_ms", "commit_ms", "batch", "k")
 REQUEST_FIELDS = ("request_id", "tokens", "cycles", "drafted", "accepted", "tau", "acceptance_rate",
                   "per_position_acceptance", "tokens_per_s", "ttft_s", "prefill_ms", "load_s", "warmup_s", "finish_reason")
 

@@ -113,17 +113,44 @@ def test_finish_early_with_a_reason_and_kept_tokens(registry):
         ex.step([state])
 
 
-def test_one_request_at_a_time(registry):
-    """More than one state is refused; a new start replaces an unfinished request, whose state is then refused."""
+def test_request_slots(registry):
+    """A start takes a free slot (none free: refused); the same state twice is refused; finish frees the slot."""
     ex = executor(registry)
+    assert ex.max_batch == 1 and ex.free_slots == 1
     old = ex.start([1, 2, 3], SamplingParams(max_new_tokens=30))
     ex.step([old])
-    with pytest.raises(ValueError, match="batch > 1 is not supported yet"):
+    with pytest.raises(ValueError, match="the same request twice"):
         ex.step([old, old])
+    with pytest.raises(RuntimeError, match="all 1 request slots are busy"):
+        ex.start([5], SamplingParams(max_new_tokens=10))
+    ex.finish(old, "cancelled")
+    assert ex.free_slots == 1 and ex.live() == []
     new, _ = run_steps(ex, [5], SamplingParams(max_new_tokens=10))
-    assert list(ex.finish(new).token_ids) == toy_plugins.reference([5], 10, 32)  # the nodes re-prefilled
-    with pytest.raises(ValueError, match="is no longer live: another request was started after it"):
-        ex.step([old])
+    assert list(ex.finish(new).token_ids) == toy_plugins.reference([5], 10, 32)  # the nodes re-prefilled the slot
+
+
+def test_requests_step_together_and_join_between_cycles(registry):
+    """With max_batch 3, requests started at different cycles step in one batch and each gets its own tokens."""
+    ex = executor(registry, "max_batch=3")
+    prompts = {"a": [1, 2, 3], "b": [5], "c": [7, 8]}
+    budgets = {"a": 25, "b": 9, "c": 17}
+    states = {"a": ex.start(prompts["a"], SamplingParams(max_new_tokens=25), "a")}
+    results = {}
+    cycle = 0
+    while states:
+        if cycle == 2:
+            states["b"] = ex.start(prompts["b"], SamplingParams(max_new_tokens=9), "b")
+        if cycle == 3:
+            states["c"] = ex.start(prompts["c"], SamplingParams(max_new_tokens=17), "c")
+        done = ex.step(list(states.values()))
+        assert all(r.batch == len(states) for r in done)
+        for r in done:
+            if r.finish is not None:
+                results[r.request_id] = ex.finish(states.pop(r.request_id))
+        cycle += 1
+    assert ex.free_slots == 3
+    for rid, prompt in prompts.items():
+        assert list(results[rid].token_ids) == toy_plugins.reference(prompt, budgets[rid], 32)
 
 
 def test_failed_step_ends_the_request(registry):
@@ -133,7 +160,7 @@ def test_failed_step_ends_the_request(registry):
     state = ex.start([1, 2, 3], SamplingParams(max_new_tokens=5))
     with pytest.raises(OwnershipError, match="wrote buffer 'toy_kv'"):
         ex.step([state])
-    with pytest.raises(ValueError, match="its last step failed; start it again"):
+    with pytest.raises(ValueError, match="a cycle failed after it started"):
         ex.step([state])
     ex.debug = False
     assert list(ex.generate([1, 2, 3], SamplingParams(max_new_tokens=5)).token_ids) == toy_plugins.reference([1, 2, 3], 5, 32)
