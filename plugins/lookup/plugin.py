@@ -3,8 +3,10 @@
 Model-free (vLLM's n-gram proposer, transformers' prompt lookup): the longest suffix
 n-gram of prompt + output (``min_ngram`` <= n <= ``max_ngram``) found earlier in the
 sequence, earliest occurrence first, proposes up to K of the tokens that followed it.
-Drafts are deterministic (one-hot q). The history lives in a host int64 array sized once
-and appended to in ``commit``; the numba matcher is compiled when the node is built.
+Drafts are deterministic (one-hot q). Each request slot has its own history, a row of one
+host int64 array sized once and appended to in ``commit``; a batched cycle matches row by
+row on the host and sends one padded ``[n, K']`` proposal (K' = the longest match, rows
+without a match have length 0). The numba matcher is compiled when the node is built.
 """
 
 from __future__ import annotations
@@ -36,32 +38,43 @@ class PromptLookup(Node):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.min_ngram, self.max_ngram = ctx.params["min_ngram"], ctx.params["max_ngram"]
-        self.history = np.zeros(ctx.kv_tokens or DEFAULT_HISTORY, dtype=np.int64)  # [capacity]
-        self.length = 0
+        self.history = np.zeros((ctx.max_batch, ctx.kv_tokens or DEFAULT_HISTORY), dtype=np.int64)  # [slots, capacity]
+        self.lengths = [0] * ctx.max_batch  # tokens of each slot's history
         warm_up()
 
-    def _append(self, tokens: list[int]) -> None:
-        end = self.length + len(tokens)
-        if end > self.history.shape[0]:
-            grown = np.zeros(max(end, 2 * self.history.shape[0]), dtype=np.int64)
-            grown[:self.length] = self.history[:self.length]
+    def _append(self, slot: int, tokens: list[int]) -> None:
+        start = self.lengths[slot]
+        end = start + len(tokens)
+        if end > self.history.shape[1]:
+            grown = np.zeros((self.history.shape[0], max(end, 2 * self.history.shape[1])), dtype=np.int64)
+            grown[:, :self.history.shape[1]] = self.history
             self.history = grown
-        self.history[self.length:end] = tokens
-        self.length = end
+        self.history[slot, start:end] = tokens
+        self.lengths[slot] = end
 
     def prefill(self, req):
-        self.length = 0
-        self._append(req.tokens)
+        self.lengths[req.slot] = 0
+        self._append(req.slot, req.tokens)
         return {}
 
-    def step(self, req, inputs):
-        start, count = find_continuation(self.history, self.length, self.min_ngram, self.max_ngram, req.num_draft)
-        drafts = torch.from_numpy(self.history[start:start + count].copy()).to(self.ctx.device)
-        return {"proposal": Proposal(drafts.reshape(1, count))}  # tokens: [1, count], count <= K
+    def step(self, batch, inputs):
+        found = {i: find_continuation(self.history[i], self.lengths[i], self.min_ngram, self.max_ngram, req.num_draft)
+                 for i, req in batch.active()}  # row -> (start, count)
+        width = max((count for _, count in found.values()), default=0)
+        tokens = np.zeros((batch.size, width), dtype=np.int64)  # [n, K']: padding holds token 0
+        for i, (start, count) in found.items():
+            tokens[i, :count] = self.history[i, start:start + count]
+        lengths = None
+        if any(count != width for _, count in found.values()):
+            lengths = torch.tensor([found.get(i, (0, 0))[1] for i in range(batch.size)]).to(self.ctx.device)  # [n]
+        return {"proposal": Proposal(torch.from_numpy(tokens).to(self.ctx.device), lengths=lengths)}
 
     def commit(self, req, info):
-        self._append(req.tokens[self.length:])
+        self._append(req.slot, req.tokens[self.lengths[req.slot]:])
         return {}
+
+    def release(self, req):
+        self.lengths[req.slot] = 0
 
 
 @hookimpl

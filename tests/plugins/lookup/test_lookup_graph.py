@@ -25,15 +25,16 @@ def test_greedy_gate_with_lookup_drafts(cyclic_target):
 
 
 def test_history_is_appended_not_rebuilt(cyclic_target):
-    """After a request the node's history equals prompt + output, grown by commits only."""
+    """After a request its slot's history equals prompt + output, grown by commits only."""
     plan = build_plan(load_graph(GRAPH, [f"nodes.target.path={cyclic_target}"]), load_registry())
     ex = Executor(plan)
     node = ex.nodes["lookup"]
     history = node.history
     result = ex.generate(REPETITIVE, SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert node.history is history  # preallocated once at the planned KV capacity
-    assert node.history.shape[0] == plan.vram.kv_tokens
-    assert list(node.history[:node.length]) == REPETITIVE + list(result.token_ids)
+    assert node.history.shape == (plan.vram.batch, plan.vram.kv_tokens)
+    assert node.lengths == [0] * plan.vram.batch  # released when the request finished
+    assert list(node.history[0, :len(REPETITIVE) + len(result.token_ids)]) == REPETITIVE + list(result.token_ids)
 
 
 def test_cli_lookup_trace_reports_accepted_drafts(cyclic_target, tmp_path):
