@@ -4,7 +4,8 @@ Given the reference continuation of the prompt (usually target-only greedy outpu
 proposes ``reference[g : g+K]`` where ``g`` tokens have been generated so far, replacing
 the token by a wrong one at chosen output positions (``errors``) or at chosen draft
 indices of every cycle (``wrong_draft_index``; ``[0]`` makes the first candidate always
-wrong). Past the end of the reference it proposes nothing.
+wrong). Past the end of the reference it proposes nothing. Every row of a batch gets the
+same reference, offset by that request's own output length.
 """
 
 from __future__ import annotations
@@ -37,12 +38,21 @@ class Oracle(Node):
     def _wrong(self, tok: int) -> int:
         return (tok + 1) % self.vocab if self.vocab else tok + 1
 
-    def step(self, req, inputs):
+    def draft(self, req) -> list[int]:
         g = len(req.tokens) - req.prompt_len
         drafts = self.reference[g:g + req.num_draft]
-        drafts = [self._wrong(t) if (g + j) in self.errors or j in self.wrong_index else t for j, t in enumerate(drafts)]
-        tokens = torch.tensor(drafts, dtype=torch.long, device=self.ctx.device).reshape(1, len(drafts))  # [1, K]
-        return {"proposal": Proposal(tokens)}
+        return [self._wrong(t) if (g + j) in self.errors or j in self.wrong_index else t for j, t in enumerate(drafts)]
+
+    def step(self, batch, inputs):
+        rows = {i: self.draft(req) for i, req in batch.active()}
+        width = max(map(len, rows.values()), default=0)
+        tokens = torch.zeros(batch.size, width, dtype=torch.long)  # [n, K']: padding holds token 0
+        for i, drafts in rows.items():
+            tokens[i, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
+        lengths = None
+        if any(len(d) != width for d in rows.values()):
+            lengths = torch.tensor([len(rows.get(i, ())) for i in range(batch.size)]).to(self.ctx.device)  # [n]
+        return {"proposal": Proposal(tokens.to(self.ctx.device), lengths=lengths)}
 
 
 @hookimpl
