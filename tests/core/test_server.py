@@ -116,10 +116,15 @@ def test_outputs_equal_generate(served, case):
 def test_sixteen_concurrent_requests(served):
     """16 concurrent requests (mixed kinds, half streamed) all complete with their sequential outputs."""
     jobs = [(case, i % 2 == 1) for i, case in enumerate(list(CASES) * 6)][:16]
+    url = served["url"]
+    cycles, single = metric(url, "draftflow_batch_size_per_cycle_count"), metric(url, 'draftflow_batch_size_per_cycle_bucket{le="1"}')
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda job: call(served["client"], job[0], stream=job[1]), jobs))
     for (case, _), (text, finish, _) in zip(jobs, results):
         assert (text, finish) == (served["reference"][case]["text"], served["reference"][case]["finish_reason"])
+    batched = metric(url, "draftflow_batch_size_per_cycle_count") - cycles - (
+        metric(url, 'draftflow_batch_size_per_cycle_bucket{le="1"}') - single)
+    assert batched > 0  # cycles that stepped two requests or more
 
 
 def test_stop_strings_cut_text(served):
@@ -176,8 +181,10 @@ def test_bad_requests_get_json_4xx(served):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="'temperature' must be a finite number >= 0"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
+    admitted = metric(url, "draftflow_queue_time_seconds_count")
     with pytest.raises(openai.BadRequestError, match="exceeds the context of 2048 tokens"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4000)
+    assert metric(url, "draftflow_queue_time_seconds_count") == admitted  # refused at once, never admitted
     with pytest.raises(openai.BadRequestError, match=r"'n' must be an integer in \[1, 8\]"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=9)
 
@@ -209,6 +216,21 @@ def test_serve_checks_graph_before_listening(toy_env):
     assert r.stderr.startswith("error: ") and "[unknown-plugin]" in r.stderr and "[capability]" in r.stderr
 
 
+def test_max_batch_flag(tmp_path):
+    """--max-batch sets the graph's max_batch; without it a graph that sets none is served with 'auto'; a bad value is
+    one error line before anything loads."""
+    from draftflow.core.server import batch_overrides
+
+    assert batch_overrides(GRAPH, [], None)[-1][1] == "max_batch=auto"
+    assert batch_overrides(GRAPH, ["max_batch=3"], None) == ["max_batch=3"]
+    assert batch_overrides(GRAPH, ["max_batch=3"], "5")[-1] == ("--max-batch 5", "max_batch=5")
+    own = tmp_path / "own.yaml"
+    own.write_text(GRAPH.read_text().replace("num_draft: 4", "num_draft: 4\nmax_batch: 2"))
+    assert batch_overrides(own, [], None) == []
+    r = run_cli(["serve", GRAPH, "--max-batch", "0", "--port", "0"])
+    assert (r.returncode, r.stderr) == (1, "error: --max-batch '0': it must be an integer from 1 to 256 or 'auto'\n")
+
+
 def test_full_queue_answers_503_and_missing_template_400():
     """With the waiting line full a request gets 503; a model without a chat template gets a clear 400."""
     from draftflow.core.server import DraftflowServer, ServeConfig
@@ -225,8 +247,13 @@ def test_full_queue_answers_503_and_missing_template_400():
         first.start()
         while len(engine.queue) < 1:
             time.sleep(0.01)
-        status, text = raw(server.url, "POST", "/v1/completions", body)
-        assert status == 503 and json.loads(text)["error"]["code"] == "queue_full"
+        u = urlparse(server.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=body)
+        resp = conn.getresponse()
+        assert resp.status == 503 and json.loads(resp.read())["error"]["code"] == "queue_full"
+        assert resp.getheader("Retry-After") == "1"
+        conn.close()
         server.api.chat_template = None
         status, text = raw(server.url, "POST", "/v1/chat/completions",
                            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode())
