@@ -235,6 +235,6 @@ def weight_bytes(cfg: DFlashConfig, dtype: torch.dtype) -> int:
     return sum(math.prod(shape) for shape in expected_tensors(cfg).values()) * dtype.itemsize
 
 
-def kv_shape(cfg: DFlashConfig, capacity) -> tuple:
-    """Shape of the drafter's context K/V buffer (the target KVCache layout)."""
-    return (cfg.num_layers, 2, 1, capacity, cfg.num_kv_heads, cfg.head_dim)
+def kv_shape(cfg: DFlashConfig, capacity, batch=1) -> tuple:
+    """Shape of the drafter's context K/V buffer (the target KVCache layout; one row per request slot)."""
+    return (cfg.num_layers, 2, batch, capacity, cfg.num_kv_heads, cfg.head_dim)

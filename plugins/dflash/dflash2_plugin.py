@@ -21,13 +21,11 @@ from __future__ import annotations
 import attrs
 import torch
 
-from draftflow.layers.kv_cache import KVCache
-from draftflow.layers.processors import LogitProcessor
 from draftflow.layers.sampling import sample
 from draftflow.plugin import (
+    BATCH,
     EMBED_BUFFER,
     HEAD_BUFFER,
-    KV_TOKENS,
     TARGET_HANDLE,
     BufferSpec,
     Candidates,
@@ -42,13 +40,15 @@ from draftflow.plugin import (
     Proposal,
     Vram,
     hookimpl,
+    kv_dim,
     wrong_target_check,
 )
 from draftflow.plugins.dflash.config import kv_shape
 from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
-from draftflow.plugins.dflash.plugin import CONTEXT_CHUNK, KV_GROW_REASON, DFlash, shortcut_hooks, tap_layer_check, trained_for
+from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, shortcut_hooks, slot_width,
+                                             tap_layer_check, trained_for)
 from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
@@ -74,8 +74,9 @@ def manifest(params, env) -> Manifest:
                      doc=f"target taps of layers {list(base.target_layer_ids)} for the newly committed tokens"),),
         outputs=(Port("candidates", "candidates",
                       doc=f"top-{cfg.selector_top_k} ids and unary logits per draft row, with hidden states"),),
-        owns=(BufferSpec("dflash2_kv", kv_shape(base, KV_TOKENS), env.dtype,
-                         doc="context K/V per draft layer, addressed by position"),),
+        owns=(BufferSpec("dflash2_kv", kv_shape(base, kv_dim(slot_width(base, env.num_draft)), BATCH), env.dtype,
+                         doc="context K/V per draft layer and request slot, addressed by position; "
+                             "slack cells past the context for a block"),),
         vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
         reads=(EMBED_BUFFER, HEAD_BUFFER),
         requires={"target.features", TARGET_HANDLE},
@@ -93,10 +94,8 @@ class DFlash2(DFlash):
         Node.__init__(self, ctx)
         self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
         self.config = self.config2.base  # what DFlash's binding and block forward read
-        self.cache = KVCache.from_static(ctx.buffers["dflash2_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
-        self.runner = None  # DraftRunner, built on first use
-        self.matcher = None  # DFlash's grammar matcher, never built here (GRAMMAR_DRAFTS)
-        self.processor = None  # the request's LogitProcessor, following req.tokens (LogitProcessor.follow)
+        self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)
+        self._init_slots(ctx.buffers["dflash2_kv"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]
         self._bind()
 
     def _bind(self) -> None:
@@ -107,20 +106,18 @@ class DFlash2(DFlash):
                                    f"{self.embed.shape[0]}; use the drafter trained for this target")
 
     @torch.inference_mode()
-    def step(self, req, inputs):
-        drafted = self.draft_block(req, inputs)
+    def step(self, batch, inputs):
+        drafted = self.draft_block(batch, inputs)
         selector = self.model.candidate_selector
         if drafted is None:
             m, device = self.config2.selector_top_k, self.ctx.device
-            return {"candidates": DFlash2Candidates(torch.empty(1, 0, m, dtype=torch.long, device=device),
-                                                    torch.empty(1, 0, m, device=device), None, selector)}
-        hidden, logits = drafted  # [1, K, H], [1, K, V]
+            return {"candidates": DFlash2Candidates(torch.empty(batch.size, 0, m, dtype=torch.long, device=device),
+                                                    torch.empty(batch.size, 0, m, device=device), None, selector)}
+        hidden, logits, _ = drafted  # [B, K, H], [B, K, V]
         # Codebooks may be narrower than a padded target head: never propose an id without a row.
-        logits = logits[..., :self.config2.vocab_size]
-        if req.sampling.has_processors:  # penalties and bias (committed prefix only) pick and weigh the candidates
-            self.processor = LogitProcessor.follow(self.processor, req, logits.shape[-1], logits.device)
-            logits = self.processor.process(logits)
-        scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [1, K, M] each, best first
+        # Penalties and bias (committed prefix only) pick and weigh the candidates.
+        logits = self.processed(batch, logits[..., :self.config2.vocab_size])
+        scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [B, K, M] each, best first
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector)}
 
 
@@ -133,40 +130,90 @@ def selector_manifest(params, env) -> Manifest:
     )
 
 
+def row_widths(batch, k: int) -> list[int]:
+    """Drafts each row of a K-column batch wants (0 for pad rows): a row picks its first min(K, num_draft) drafts
+    exactly as it would alone, so a sampled row draws the same numbers whatever else is batched."""
+    return [0 if r is None else min(k, r.num_draft) for r in batch.rows]
+
+
+def batch_proposal(batch, ids: torch.Tensor, drafts: torch.Tensor, sampled: list, widths: list[int]) -> Proposal:
+    """Rows' candidate picks in one Proposal: q one-hot over the candidates for greedy rows when some row sampled."""
+    # ids: [B, K, M]; drafts: [B, K] (greedy picks, sampled rows' overwritten); sampled: (row, q [k, M])
+    probs = None
+    if sampled:
+        probs = (ids == drafts[..., None]).float()  # [B, K, M]: candidate ids are distinct per row
+        for i, q in sampled:
+            probs[i, :q.shape[0]] = q
+    lengths = torch.tensor(widths, dtype=torch.long).to(ids.device)
+    return Proposal(drafts, probs=probs, candidate_ids=None if probs is None else ids, lengths=lengths)
+
+
 class DFlash2Selector(Node):
     """The learned pairwise walk over the candidates."""
 
     @torch.inference_mode()
-    def step(self, req, inputs):
+    def step(self, batch, inputs):
         cand = inputs["candidates"]
-        if cand.ids.shape[1] == 0:
+        n, k = cand.ids.shape[:2]
+        if k == 0:
             return {"proposal": Proposal(cand.ids[..., 0])}
         selector = getattr(cand, "selector", None)
         if selector is None:
             raise ModelFormatError(f"node '{self.name}' (dflash2-selector): its candidates carry no selector weights; "
                                    "feed it from a dflash2 node, or use plugin: top1-selector")
-        anchor = torch.full((1,), req.anchor, dtype=torch.long, device=cand.ids.device)
-        t = req.sampling.temperature
-        drafts, q = walk(selector, cand.ids, cand.scores, cand.hidden, anchor, t, req.generator)
-        if q is None:
-            return {"proposal": Proposal(drafts)}
-        return {"proposal": Proposal(drafts, probs=q, candidate_ids=cand.ids)}
+        device = cand.ids.device
+        if n == 1:
+            req = batch.rows[0]
+            anchor = torch.full((1,), req.anchor, dtype=torch.long, device=device)
+            drafts, q = walk(selector, cand.ids, cand.scores, cand.hidden, anchor, req.sampling.temperature,
+                             req.generator)
+            if q is None:
+                return {"proposal": Proposal(drafts)}
+            return {"proposal": Proposal(drafts, probs=q, candidate_ids=cand.ids)}
+        anchors = torch.tensor([0 if r is None else r.anchor for r in batch.rows], dtype=torch.long).to(device)
+        drafts, _ = walk(selector, cand.ids, cand.scores, cand.hidden, anchors, 0.0)  # [B, K]: every row greedy
+        widths, sampled = row_widths(batch, k), []
+        for i, req in batch.active():
+            t, w = req.sampling.temperature, widths[i]
+            if t > 0 and w > 0:
+                row, q = walk(selector, cand.ids[i:i + 1, :w], cand.scores[i:i + 1, :w], cand.hidden[i:i + 1, :w],
+                              anchors[i:i + 1], t, req.generator)
+                drafts[i, :w] = row[0]
+                sampled.append((i, q[0]))
+        return {"proposal": batch_proposal(batch, cand.ids, drafts, sampled, widths)}
 
 
 class Top1Selector(Node):
     """Ablation: no pairwise term; the unary logits alone pick (T = 0) or weigh (T > 0) the candidates."""
 
     @torch.inference_mode()
-    def step(self, req, inputs):
-        cand = inputs["candidates"]  # ids, scores: [1, K, M]
-        t = req.sampling.temperature
-        if t == 0 or cand.ids.shape[1] == 0:
-            pick = cand.scores.argmax(dim=-1, keepdim=True)  # [1, K, 1]
-            return {"proposal": Proposal(cand.ids.gather(-1, pick)[..., 0])}
-        # A deterministic top-1 draft with a non-one-hot q would not be lossless: sample from the q we hand over.
-        q = (cand.scores.float() / t).softmax(dim=-1)  # [1, K, M]
-        pick = sample(q, req.generator)  # [1, K]
-        return {"proposal": Proposal(cand.ids.gather(-1, pick[..., None])[..., 0], probs=q, candidate_ids=cand.ids)}
+    def step(self, batch, inputs):
+        cand = inputs["candidates"]  # ids, scores: [B, K, M]
+        n, k = cand.ids.shape[:2]
+        greedy = cand.ids.gather(-1, cand.scores.argmax(dim=-1, keepdim=True))[..., 0]  # [B, K]
+        if k == 0:
+            return {"proposal": Proposal(greedy)}
+        if n == 1:
+            t = batch.rows[0].sampling.temperature
+            return {"proposal": Proposal(greedy) if t == 0 else self._sampled(cand.ids, cand.scores, t,
+                                                                             batch.rows[0].generator)}
+        widths, sampled = row_widths(batch, k), []
+        for i, req in batch.active():
+            t, w = req.sampling.temperature, widths[i]
+            if t > 0 and w > 0:
+                row = self._sampled(cand.ids[i:i + 1, :w], cand.scores[i:i + 1, :w], t, req.generator)
+                greedy[i, :w] = row.tokens[0]
+                sampled.append((i, row.probs[0]))
+        return {"proposal": batch_proposal(batch, cand.ids, greedy, sampled, widths)}
+
+    @staticmethod
+    def _sampled(ids: torch.Tensor, scores: torch.Tensor, t: float, generator) -> Proposal:
+        """A draw from softmax(unary / T) over the candidates, with that q: a deterministic top-1 draft with a
+        non-one-hot q would not be lossless."""
+        # ids, scores: [1, k, M]
+        q = (scores.float() / t).softmax(dim=-1)  # [1, k, M]
+        pick = sample(q, generator)  # [1, k]
+        return Proposal(ids.gather(-1, pick[..., None])[..., 0], probs=q, candidate_ids=ids)
 
 
 def backbone(path: str):

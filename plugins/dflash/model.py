@@ -15,6 +15,8 @@ device-side metadata (a `Window`: positions, masks, how many cache cells are att
   attention over exactly the written cache prefix;
 - CUDA graphs (`graphs.DraftRunner`): positions in static device tensors, attention over a
   fixed prefix (a bucket) with later keys masked, so one capture serves every cycle;
+- a batch of request slots (`draft_slots`, eager or under a graph): every row at its own
+  positions in its own slot of the cache, its own block length expressed by its mask;
 - training (`tools/train/dflash_recipe.py`): many blocks per sequence, no cache (`kv=None`:
   keys are the context rows then the block rows), the recipe's context/block mask.
 
@@ -41,7 +43,7 @@ from draftflow.plugins.dflash.config import DFlashConfig
 class Window(NamedTuple):
     """Device-side metadata of one forward: where its rows sit and which keys each block row sees."""
 
-    context_pos: torch.Tensor  # [C] int64 positions of the context rows (= their cache cells)
+    context_pos: torch.Tensor  # [C] or [B, C] int64 positions of the context rows (= their cache cells)
     block_pos: torch.Tensor  # [W'] or [B, W'] int64 positions of the block rows (cache cells at inference)
     masks: list  # per draft layer: [..., G*W', S] (bool, or additive float) in attend_prefix's folded row order; None: all
     keys: int  # S: cache cells attended (a bucket under CUDA graphs); training: C + W'
@@ -118,7 +120,7 @@ class DFlashModel(nn.Module):
         """Project the context rows' features into every layer's K/V, then run the block; return normed hidden states.
 
         With a cache (`kv`), context K/V are written at `window.context_pos` and block K/V at
-        `window.block_pos`, and attention reads the first `window.keys` cells. Without one
+        `window.block_pos` (shared by the rows, or per row: `draft_slots`), and attention reads the first `window.keys` cells. Without one
         (training) the keys are the context rows followed by the block rows. `block=None`
         only ingests the context (a long prompt, in chunks).
         """
@@ -129,12 +131,15 @@ class DFlashModel(nn.Module):
         x = block
         if x is not None:
             cos_b, sin_b = self._rope(window.block_pos, x.dtype)
+        ctx_cells = blk_cells = None  # per-row positions ([B, T]): flat cell indices, computed once
+        if kv is not None and window.context_pos.dim() == 2:
+            ctx_cells, blk_cells = _flat_cells(window.context_pos, kv), _flat_cells(window.block_pos, kv)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)  # [B, C, KVH, D]
             if kv is not None:
-                kv[i, 0].index_copy_(1, window.context_pos, k_ctx)
-                kv[i, 1].index_copy_(1, window.context_pos, v_ctx)
+                _store(kv[i, 0], window.context_pos, ctx_cells, k_ctx)
+                _store(kv[i, 1], window.context_pos, ctx_cells, v_ctx)
             if x is None:
                 continue
             h, attn_state = _prepare(layer.attention_conv, layer.input_layernorm(x), window.width)
@@ -142,8 +147,8 @@ class DFlashModel(nn.Module):
             if kv is None:
                 keys, values = torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1)  # [B, C+W', KVH, D]
             else:
-                kv[i, 0].index_copy_(1, window.block_pos, k_blk)
-                kv[i, 1].index_copy_(1, window.block_pos, v_blk)
+                _store(kv[i, 0], window.block_pos, blk_cells, k_blk)
+                _store(kv[i, 1], window.block_pos, blk_cells, v_blk)
                 keys, values = kv[i, 0, :, :window.keys], kv[i, 1, :, :window.keys]  # [B, S, KVH, D]
             out = attend_prefix(attn.folded_queries(h, cos_b, sin_b), keys, values, window.masks[i], h.shape[1])
             x = x + _finish(layer.attention_conv, attn.o_proj(out), attn_state)
@@ -196,6 +201,54 @@ class DFlashModel(nn.Module):
             masks.append(by_kind[causal, span])
         return Window(context_pos, block_pos, masks, keys, block_pos.shape[0])
 
+    def slots_window(self, context_pos: torch.Tensor, block_pos: torch.Tensor, last: torch.Tensor, keys: int,
+                     dtype: torch.dtype) -> Window:
+        """Metadata of a forward over B cache slots at once, each row at its own positions.
+
+        Block row w of slot b sees the cells up to ``last[b]`` (its own block's last drafted
+        row: a row drafting k < W-1 tokens is attended exactly as a (k+1)-row block), causally
+        and/or within the sliding window per layer. Device tensors only (CUDA-graph safe).
+        """
+        # context_pos: [B, C]; block_pos: [B, W] (consecutive per row); last: [B]; masks: [B, 1, G*W, keys]
+        cfg = self.config
+        if block_pos.shape[1] == 0:
+            return Window(context_pos, block_pos, [], keys, 0)
+        key = torch.arange(keys, device=block_pos.device)[None, None, :]  # [1, 1, S]
+        query = block_pos[:, :, None]  # [B, W, 1]
+        written = (key <= last[:, None, None]).expand(*block_pos.shape, keys)  # [B, W, S]
+        by_kind, masks = {}, []
+        for i in range(cfg.num_layers):
+            causal = cfg.layer_is_causal(i)
+            span = cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None
+            if (causal, span) not in by_kind:
+                visible = written & (key <= query) if causal else written
+                if span is not None:
+                    visible = visible & (query - key < span)
+                    if not causal:
+                        visible = visible & (key - query < span)
+                by_kind[causal, span] = fold_mask(visible, cfg.num_heads // cfg.num_kv_heads, dtype)[:, None]
+            masks.append(by_kind[causal, span])
+        return Window(context_pos, block_pos, masks, keys, block_pos.shape[1])
+
+    def draft_slots(self, features: torch.Tensor, block: torch.Tensor | None, start: torch.Tensor,
+                    num_new: torch.Tensor, last: torch.Tensor, kv: torch.Tensor, keys: int) -> torch.Tensor | None:
+        """One forward over B slots: slot b ingests ``num_new[b]`` context rows at ``start[b]`` and drafts its block
+        right after them (at ``start[b] + num_new[b]``), attending the first ``keys`` cells.
+
+        ``features`` is padded to C rows: row j >= num_new[b] is stale and lands at a cell past
+        the slot's new context, where the block (or the next cycle) overwrites it before any
+        query reads it, so every row of every slot runs with static shapes. Committing the
+        new lengths is the caller's business (per slot, on the host).
+        """
+        # features: [B, C, n_taps*H]; block: [B, W, H] or None; start, num_new, last: [B] int64
+        # kv: [L, 2, B, capacity, KVH, D] (the B slots' rows); returns [B, W, H] or None
+        device = features.device
+        context_pos = start[:, None] + torch.arange(features.shape[1], device=device)  # [B, C]
+        width = 0 if block is None else block.shape[1]
+        block_pos = (start + num_new)[:, None] + torch.arange(width, device=device)  # [B, W]
+        window = self.slots_window(context_pos, block_pos, last, keys, features.dtype)
+        return self(features, block, window, kv)
+
     def draft(self, features: torch.Tensor, start: int, block: torch.Tensor | None, cache: KVCache
               ) -> torch.Tensor | None:
         """Eager: ingest `features` at positions [start, start+C), run `block` right after them, commit the context.
@@ -223,6 +276,22 @@ def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype | None) -> 
     if dtype is not None:
         visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     return torch.cat([visible] * groups, dim=-2) if groups > 1 else visible
+
+
+def _flat_cells(positions: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Per-row cache positions as indices into one layer's cells flattened over (slot, position)."""
+    # positions: [B, T]; kv: [L, 2, B, capacity, KVH, D]; returns [B*T]
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None] * kv.shape[3]
+    return (rows + positions).reshape(-1)
+
+
+def _store(cells: torch.Tensor, positions: torch.Tensor, flat: torch.Tensor | None, values: torch.Tensor) -> None:
+    """Write K or V rows into one layer's cache: at shared positions ([T]) or per-row ones (``flat``)."""
+    # cells: [B, capacity, KVH, D]; positions: [T] or [B, T]; values: [B, T, KVH, D]
+    if flat is None:
+        cells.index_copy_(1, positions, values)
+    else:
+        cells.view(-1, *cells.shape[2:]).index_copy_(0, flat, values.reshape(-1, *values.shape[2:]))
 
 
 def _prepare(conv, u: torch.Tensor, width: int):

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from draftflow.plugin import (
+    BATCH,
     EMBED_BUFFER,
     HEAD_BUFFER,
-    KV_TOKENS,
     TARGET_HANDLE,
     BufferSpec,
     Incompatibility,
@@ -38,6 +38,7 @@ from draftflow.plugin import (
     Proposal,
     Vram,
     hookimpl,
+    kv_dim,
     wrong_target_check,
 )
 from draftflow.layers.kv_cache import KVCache
@@ -72,8 +73,9 @@ def manifest(params, env) -> Manifest:
         inputs=(Port("features", "features", carried=True,
                      doc=f"target taps of layers {list(cfg.target_layer_ids)} for the newly committed tokens"),),
         outputs=(Port("proposal", "proposal"),),
-        owns=(BufferSpec("dflash_kv", kv_shape(cfg, KV_TOKENS), env.dtype,
-                         doc="context K/V per draft layer, addressed by position"),),
+        owns=(BufferSpec("dflash_kv", kv_shape(cfg, kv_dim(slot_width(cfg, env.num_draft)), BATCH), env.dtype,
+                         doc="context K/V per draft layer and request slot, addressed by position; "
+                             "slack cells past the context for a block"),),
         vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
         reads=(EMBED_BUFFER, HEAD_BUFFER),
         requires={"target.features", TARGET_HANDLE},
@@ -95,15 +97,22 @@ class DFlash(Node):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
-        self.cache = KVCache.from_static(ctx.buffers["dflash_kv"])  # [L, 2, 1, kv_tokens, KVH, D]
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
-        self.runner = None  # DraftRunner, built on first use
         self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused
-        self.matcher = None  # the live request's GrammarMatcher (None: no grammar)
-        self.processor = None  # the request's LogitProcessor, following req.tokens (LogitProcessor.follow)
-        self.host_generator: torch.Generator | None = None  # draws grammar-masked drafts on the host
+        self._init_slots(ctx.buffers["dflash_kv"])
         self._bind()
+
+    def _init_slots(self, buffer: torch.Tensor) -> None:
+        """Per-slot state: a cache over each slot's row of `buffer` and the requests' matchers and processors."""
+        # buffer: [L, 2, max_batch, kv_tokens + W, KVH, D]
+        self.slots = buffer
+        self.caches = [KVCache.from_static(buffer[:, :, s:s + 1]) for s in range(buffer.shape[2])]
+        self.cache = self.caches[0]  # slot 0: the B = 1 path's cache
+        self.runner = None  # DraftRunner, built on first use
+        self.matchers: dict[int, object] = {}  # slot -> the request's GrammarMatcher (absent: no grammar)
+        self.host_generators: dict[int, torch.Generator] = {}  # slot -> draws grammar-masked drafts on the host
+        self.processors: dict[int, LogitProcessor] = {}  # slot -> LogitProcessor following req.tokens (follow)
 
     def tensors(self):
         yield from self.model.parameters()
@@ -125,52 +134,139 @@ class DFlash(Node):
 
     @torch.inference_mode()
     def prefill(self, req):
-        self.cache.commit(0)
-        self.matcher = None
+        slot = req.slot
+        self.caches[slot].commit(0)
+        self.release(req)
         if req.sampling.grammar is not None and self.GRAMMAR_DRAFTS:
             if self.compiler is None:
                 self.compiler = grammar_compiler(self.ctx.target)
-            self.matcher = self.compiler.compile(req.sampling.grammar)
+            self.matchers[slot] = self.compiler.compile(req.sampling.grammar)
             gen = req.generator  # masked drafts are sampled on the host: a CPU generator, seeded from the request's
-            self.host_generator = gen if gen.device.type == "cpu" else torch.Generator().manual_seed(gen.initial_seed())
+            self.host_generators[slot] = gen if gen.device.type == "cpu" \
+                else torch.Generator().manual_seed(gen.initial_seed())
         return {}
 
-    def _ingest(self, rows: torch.Tensor, start: int) -> None:
-        """Append committed feature rows (no block) at `start`, in chunks of CONTEXT_CHUNK."""
+    def release(self, req) -> None:
+        for state in (self.matchers, self.host_generators, self.processors):
+            state.pop(req.slot, None)
+
+    def _ingest(self, cache: KVCache, rows: torch.Tensor, start: int) -> None:
+        """Append committed feature rows (no block) to one slot at `start`, in chunks of CONTEXT_CHUNK."""
         # rows: [1, C, n_taps * H]
         for i in range(0, rows.shape[1], CONTEXT_CHUNK):
-            self.model.draft(rows[:, i:i + CONTEXT_CHUNK], start + i, None, self.cache)
+            self.model.draft(rows[:, i:i + CONTEXT_CHUNK], start + i, None, cache)
 
-    def draft_block(self, req, inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Ingest the new feature rows and run one block in one forward; the draft rows' hidden states and
-        logits (None when K = 0)."""
-        # returns hidden: [1, K, H] (final-normed), logits: [1, K, V] float32
-        cfg = self.config
-        k = min(cfg.block_size - 1, req.num_draft)
-        features = inputs.get("features")
-        rows, start = (features.hidden, features.start) if features is not None else (self._no_rows(), self.cache.length)
-        if start > self.cache.length:
+    def _catch_up(self, req, features, k: int, limit: int) -> tuple[torch.Tensor, int]:
+        """Ingest what of the request's new feature rows cannot ride with its block; return the rest ([1, C, n*H],
+        C <= `limit`, ending at the anchor) and their start."""
+        cfg, cache = self.config, self.caches[req.slot]
+        rows, start = (features.hidden, features.start) if features is not None else (self._no_rows(), cache.length)
+        if start > cache.length:
             raise ModelFormatError(f"node '{self.name}' ({self.KIND}): features start at position {start} but the draft "
-                                   f"cache holds {self.cache.length}; wire target.features -> {self.name}.features (carried)")
-        self.cache.crop(start)  # drop anything past the rows (last cycle's block, rejected drafts)
+                                   f"cache holds {cache.length}; wire target.features -> {self.name}.features (carried)")
+        cache.crop(start)  # drop anything past the rows (last cycle's block, rejected drafts)
         if k == 0 or start + rows.shape[1] != req.position:  # nothing to draft, or the rows do not end at the anchor
-            self._ingest(rows, start)
-            if k == 0:
-                return None
-            if self.cache.length != req.position:
-                raise ModelFormatError(f"node '{self.name}' ({self.KIND}): draft cache holds {self.cache.length} positions "
+            self._ingest(cache, rows, start)
+            if k > 0 and cache.length != req.position:
+                raise ModelFormatError(f"node '{self.name}' ({self.KIND}): draft cache holds {cache.length} positions "
                                        f"but the anchor is at {req.position}; the target must tap {list(cfg.target_layer_ids)}")
-            rows, start = rows[:, :0], req.position
-        runner = self._runner()
-        if rows.shape[1] > (k + 1 if runner is not None else CONTEXT_CHUNK):  # a long catch-up (the prompt)
-            self._ingest(rows[:, :-1], start)
+            return rows[:, :0], cache.length
+        if rows.shape[1] > limit:  # a long catch-up (the prompt): alone, in chunks
+            self._ingest(cache, rows[:, :-1], start)
             rows, start = rows[:, -1:], req.position - 1
+        return rows, start
+
+    def draft_block(self, batch, inputs) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """Ingest every row's new feature rows and run one block per row, all rows in one forward; the draft rows'
+        hidden states and logits, and the drafts each row wants (None when the cycle drafts nothing)."""
+        # returns hidden: [B, K, H] (final-normed), logits: [B, K, V] float32, widths: B ints (<= K; 0 for pad rows)
+        n = batch.size
+        features = inputs.get("features") or [None] * n
+        k = min(self.config.block_size - 1, batch.num_draft)
+        if n == 1:
+            req = batch.rows[0]
+            k = min(k, req.num_draft)
+            drafted = self._draft_one(req, features[0], k)
+            return None if drafted is None else (*drafted, [k])
+        limit = slot_width(self.config, self.ctx.num_draft)  # the slack past each slot's context
+        todo, widths = [], [0] * n  # todo: (row, rows [1, C, n*H], start)
+        for i, req in batch.active():
+            widths[i] = min(k, req.num_draft)
+            rows, start = self._catch_up(req, features[i], k, limit)
+            todo.append((i, rows, start))
+        if k == 0:
+            if any(rows.shape[1] for _, rows, _ in todo):
+                self._draft_slots(n, todo, None, widths)
+            return None
+        hidden, logits = self._draft_slots(n, todo, batch, widths)
+        return hidden[:n, :k], logits[:n, :k], widths
+
+    def _draft_slots(self, n: int, todo: list, batch, widths: list[int]):
+        """One forward over slots [0, n): row b ingests its rows and (with a batch) drafts a block of K+1 rows, seeing
+        only its own first widths[b]+1 rows; pad rows write past their slots' context only. Commits the
+        context lengths of the rows in `todo`."""
+        # returns hidden [>=n, K, H], logits [>=n, K, V] (None, None without a batch)
+        cfg = self.config
+        width = 0 if batch is None else min(cfg.block_size - 1, batch.num_draft) + 1
+        entries = {i: (rows, start) for i, rows, start in todo}
+        runner = self._runner() if width > 1 else None
+        size = runner.batch_size(n) if runner is not None else n
+        rows_in, starts, anchors, lasts = [], [], [], []
+        for b in range(size):
+            rows, start = entries.get(b, (None, self.caches[b].length))
+            num_new = 0 if rows is None else rows.shape[1]
+            req = batch.rows[b] if batch is not None and b < n else None
+            rows_in.append(rows if num_new else None)
+            starts.append(start)
+            anchors.append(cfg.mask_token_id if req is None else req.anchor)
+            lasts.append(start + num_new + (widths[b] if req is not None else width - 1))
+        if runner is not None:
+            hidden, logits = runner.propose(rows_in, starts, anchors, lasts, width)
+        else:
+            hidden, logits = self._eager_slots(rows_in, starts, anchors, lasts, width)
+        for i, rows, start in todo:
+            self.caches[i].commit(start + rows.shape[1])
+        return hidden, logits
+
+    def _eager_slots(self, rows_in: list, starts: list[int], anchors: list[int], lasts: list[int], width: int):
+        """`draft_slots` on exact shapes: context rows padded to the longest row's, keys up to the last cell written."""
+        cfg, device, n = self.config, self.ctx.device, len(rows_in)
+        c = max(0 if r is None else r.shape[1] for r in rows_in)
+        features = torch.zeros(n, c, cfg.num_taps * cfg.hidden_size, dtype=self.ctx.dtype, device=device)  # [B, C, n*H]
+        counts = []
+        for b, rows in enumerate(rows_in):
+            counts.append(0 if rows is None else rows.shape[1])
+            if rows is not None:
+                features[b, :rows.shape[1]] = rows[0]
+        end = max(max(s + c, s + m + width) for s, m in zip(starts, counts))
+        for cache in self.caches[:1]:  # every slot has the same capacity
+            cache.ensure(end)
+        meta = torch.tensor([starts, counts, lasts], dtype=torch.long).to(device)  # [3, B]
+        block = None
+        if width:
+            tokens = torch.full((n, width), cfg.mask_token_id, dtype=torch.long, device=device)  # [B, W]
+            tokens[:, 0] = torch.tensor(anchors, dtype=torch.long).to(device)
+            block = self.model.embed_block(tokens, self.embed)
+        hidden = self.model.draft_slots(features, block, meta[0], meta[1], meta[2], self.slots[:, :, :n], end)
+        if hidden is None:
+            return None, None
+        hidden = hidden[:, 1:]  # [B, K, H]
+        return hidden, draft_logits(hidden, self.head, cfg)
+
+    def _draft_one(self, req, features, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """B = 1: ingest the new feature rows and run a (k+1)-row block in one forward (exact shapes, or a graph)."""
+        # returns hidden: [1, k, H] (final-normed), logits: [1, k, V] float32; None when k = 0
+        cfg, cache = self.config, self.caches[req.slot]
+        runner = self._runner()
+        rows, start = self._catch_up(req, features, k, k + 1 if runner is not None else CONTEXT_CHUNK)
+        if k == 0:
+            return None
         if runner is not None and rows.shape[1] > 0:
             return runner(rows, start, req.anchor, k + 1)  # [1, K, H], [1, K, V]
         block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, K+1]
         block[0, 0] = req.anchor
         # The block's K/V sit past cache.length: the next cycle's crop drops them.
-        hidden = self.model.draft(rows, start, self.model.embed_block(block, self.embed), self.cache)[:, 1:]  # [1, K, H]
+        hidden = self.model.draft(rows, start, self.model.embed_block(block, self.embed), cache)[:, 1:]  # [1, K, H]
         return hidden, draft_logits(hidden, self.head, cfg)
 
     def _no_rows(self) -> torch.Tensor:
@@ -181,34 +277,77 @@ class DFlash(Node):
         """The CUDA-graph proposal path, when enabled and on CUDA (built once, after binding)."""
         if self.runner is None and self.ctx.params.get("cuda_graphs") and torch.device(self.ctx.device).type == "cuda" \
                 and self.ctx.num_draft > 0:
-            width = min(self.ctx.num_draft, self.config.block_size - 1) + 1
-            self.runner = DraftRunner(self.model, self.cache, self.embed, self.head, width)
+            width = slot_width(self.config, self.ctx.num_draft)
+            self.runner = DraftRunner(self.model, self.cache, self.embed, self.head, width, slots=self.slots)
         return self.runner
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Capture the full-width proposal graphs of the first KV buckets (graphs.WARMUP_BUCKETS), so the first
-        request captures nothing; a no-op on the eager path."""
+        """Capture the full-width B = 1 proposal graphs of the first KV buckets (graphs.WARMUP_BUCKETS), so the first
+        request captures nothing; batched graphs are captured at their first use. A no-op on the eager path."""
         runner = self._runner()
         if runner is not None:
             runner.warmup()
 
+    def processed(self, batch, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's logits after its request's penalties and bias (committed prefix only): higher acceptance."""
+        # logits: [B, K, V]; returns [B, K, V] (the same tensor when no row has processors)
+        out = logits
+        for i, req in batch.active():
+            if req.sampling.has_processors:
+                proc = self.processors[i] = LogitProcessor.follow(self.processors.get(i), req, logits.shape[-1],
+                                                                  logits.device)
+                if batch.size == 1:
+                    return proc.process(logits)
+                if out is logits:
+                    out = logits.clone()
+                out[i:i + 1] = proc.process(logits[i:i + 1])
+        return out
+
     @torch.inference_mode()
-    def step(self, req, inputs):
-        drafted = self.draft_block(req, inputs)
+    def step(self, batch, inputs):
+        drafted = self.draft_block(batch, inputs)
         if drafted is None:
-            return {"proposal": Proposal(torch.empty(1, 0, dtype=torch.long, device=self.ctx.device))}
-        _, logits = drafted  # [1, K, V]
+            return {"proposal": Proposal(torch.empty(batch.size, 0, dtype=torch.long, device=self.ctx.device))}
+        _, logits, widths = drafted  # [B, K, V]
+        logits = self.processed(batch, logits)
+        if batch.size == 1:
+            return {"proposal": self._row_proposal(batch.rows[0], logits)}
+        return {"proposal": self._batch_proposal(batch, logits, widths)}
+
+    def _row_proposal(self, req, logits: torch.Tensor) -> Proposal:
+        """One request's drafts from its K rows: grammar-masked, argmax (T = 0) or drawn from the filtered q."""
+        # logits: [1, k, V] processed
         s = req.sampling
-        if s.has_processors:  # the request's penalties and bias (committed prefix only): higher acceptance
-            self.processor = LogitProcessor.follow(self.processor, req, logits.shape[-1], logits.device)
-            logits = self.processor.process(logits)
-        if self.matcher is not None:
-            return {"proposal": self._grammar_proposal(req, logits)}
+        if req.slot in self.matchers:
+            return self._grammar_proposal(req, logits)
         if s.temperature == 0:
-            return {"proposal": Proposal(logits.argmax(dim=-1))}
+            return Proposal(logits.argmax(dim=-1))
         q = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)  # [1, K, V]: the q the drafts come from
-        return {"proposal": Proposal(sample(q, generator=req.generator), probs=q)}
+        return Proposal(sample(q, generator=req.generator), probs=q)
+
+    def _batch_proposal(self, batch, logits: torch.Tensor, widths: list[int]) -> Proposal:
+        """Every row's drafts as that row alone would draw them (its own K, generator and grammar), in one Proposal:
+        the argmax for greedy rows and padding, q one-hot there when some row sampled."""
+        # logits: [B, K, V] processed; widths: drafts per row
+        tokens = logits.argmax(dim=-1)  # [B, K]
+        lengths, sampled = list(widths), []
+        for i, req in batch.active():
+            k = widths[i]
+            if k == 0 or (req.sampling.temperature == 0 and req.slot not in self.matchers):
+                continue
+            row = self._row_proposal(req, logits[i:i + 1, :k])
+            lengths[i] = row.tokens.shape[1]
+            tokens[i, :lengths[i]] = row.tokens[0]
+            if row.probs is not None:
+                sampled.append((i, row.probs[0]))
+        probs = None
+        if sampled:
+            probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [B, K, V]
+            probs.scatter_(-1, tokens[..., None], 1.0)
+            for i, q in sampled:
+                probs[i, :q.shape[0]] = q
+        return Proposal(tokens, probs=probs, lengths=torch.tensor(lengths, dtype=torch.long).to(logits.device))
 
     def _grammar_proposal(self, req, logits: torch.Tensor) -> Proposal:
         """Drafts picked one row at a time, row j masked by the grammar after the committed tokens and drafts[:j]:
@@ -216,10 +355,11 @@ class DFlash(Node):
         Drafting stops after an EOS draft (the output ends there)."""
         # logits: [1, K, V] processed (penalties, bias)
         s = req.sampling
-        rows = logits[0].float().cpu()  # [K, V]: the cycle's one host sync, all rows at once
+        rows = logits[0].float().cpu()  # [K, V]: the row's one host sync, all its draft rows at once
         vocab = rows.shape[-1]
         mask = torch.zeros(vocab, dtype=torch.bool)  # [V]
         probs = []  # [V] per draft
+        generator = self.host_generators[req.slot]
 
         def choose(j: int, allowed: torch.Tensor) -> int:  # allowed: [V_grammar] bool, after drafts[:j]
             width = min(vocab, allowed.shape[0])
@@ -229,9 +369,9 @@ class DFlash(Node):
                 return int(row.argmax())
             q = filter_logits(row, s.temperature, s.top_k, s.top_p, s.min_p)  # [V]
             probs.append(q)
-            return int(sample(q, generator=self.host_generator))
+            return int(sample(q, generator=generator))
 
-        drafts = self.matcher.walk(choose, rows.shape[0])
+        drafts = self.matchers[req.slot].walk(choose, rows.shape[0])
         device = self.ctx.device
         tokens = torch.tensor([drafts], dtype=torch.long).to(device, non_blocking=True)  # [1, K']
         if not probs:
@@ -239,10 +379,17 @@ class DFlash(Node):
         return Proposal(tokens, probs=torch.stack(probs)[None].to(device, non_blocking=True))  # [1, K', V]
 
     def commit(self, req, info):
-        # Block K/V were never committed; the next step's features start exactly at cache.length.
-        if self.matcher is not None:
-            self.matcher.commit(info.emitted)
+        # Block K/V were never committed; the next step's features start exactly at the slot's length.
+        matcher = self.matchers.get(req.slot)
+        if matcher is not None:
+            matcher.commit(info.emitted)
         return {}
+
+
+def slot_width(cfg, num_draft: int) -> int:
+    """Rows a proposal writes past a slot's context: the widest block (K+1), also the most rows a batched
+    proposal ingests per slot; the draft cache's slack cells."""
+    return min(max(num_draft, 0), cfg.block_size - 1) + 1
 
 
 def tap_layer_check(kind: str, layer_ids):

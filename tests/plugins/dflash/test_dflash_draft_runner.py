@@ -49,10 +49,10 @@ def _drafts(graph, device: str, runner: bool, num_draft: int = BLOCK - 1, captur
     seen = []
     original = node.draft_block
 
-    def spy(req, inputs):
-        out = original(req, inputs)
+    def spy(batch, inputs):
+        out = original(batch, inputs)
         if out is not None:
-            seen.append((req.position, out[1].clone()))
+            seen.append((batch.rows[0].position, out[1].clone()))
         return out
 
     node.draft_block = spy
@@ -113,6 +113,6 @@ def test_warmup_captures_the_full_width_graphs_a_request_uses(pair, tmp_path):
     ex.warmup()
     runner = ex.nodes["drafter"].runner
     before = set(runner.graphs)
-    assert before and all(w == BLOCK for w, _ in before), before
+    assert before and all(b == 1 and w == BLOCK for b, w, _ in before), before
     ex.generate(PROMPTS[2], SamplingParams(max_new_tokens=20))
-    assert all(w < BLOCK for w, _ in set(runner.graphs) - before), set(runner.graphs) - before  # only the short tail
+    assert all(w < BLOCK for _, w, _ in set(runner.graphs) - before), set(runner.graphs) - before  # only the short tail

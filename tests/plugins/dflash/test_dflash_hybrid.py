@@ -95,9 +95,9 @@ def test_greedy_gate_and_drafts_match_reference_loop(tmp_path):
     node, got = ex.nodes["drafter"], {}
     step = node.step
 
-    def spy(req, inputs):
-        out = step(req, inputs)
-        got[req.position] = out["proposal"].tokens[0].tolist()
+    def spy(batch, inputs):
+        out = step(batch, inputs)
+        got[batch.rows[0].position] = out["proposal"].tokens[0].tolist()
         return out
 
     node.step = spy

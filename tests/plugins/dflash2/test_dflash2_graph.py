@@ -53,9 +53,9 @@ def spy_run(graph, registry, node_names, prompt, sampling):
     for name in node_names:
         node = ex.nodes[name]
 
-        def spy(req, inputs, _step=node.step, _name=name):
-            out = _step(req, inputs)
-            seen[_name][req.position] = next(iter(out.values()))
+        def spy(batch, inputs, _step=node.step, _name=name):
+            out = _step(batch, inputs)
+            seen[_name][batch.rows[0].position] = next(iter(out.values()))
             return out
 
         node.step = spy

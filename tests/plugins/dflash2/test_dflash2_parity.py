@@ -97,9 +97,9 @@ def test_end_to_end_drafts_per_anchor_equal_reference_generate(tmp_path):
     node, got = ex.nodes["selector"], {}
     step = node.step
 
-    def spy(req, inputs):
-        out = step(req, inputs)
-        got[req.position] = out["proposal"].tokens[0].tolist()
+    def spy(batch, inputs):
+        out = step(batch, inputs)
+        got[batch.rows[0].position] = out["proposal"].tokens[0].tolist()
         return out
 
     node.step = spy
