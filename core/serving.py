@@ -95,7 +95,11 @@ class Engine:
         self.decode = decode or (tokenizer.decode if tokenizer is not None else (lambda ids: ""))
         self._thread = threading.Thread(target=self._work, name="draftflow-worker", daemon=True)
         if start:
-            self._thread.start()
+            self.start()
+
+    def start(self) -> None:
+        """Start the worker thread (``Engine(..., start=False)`` defers it, e.g. to queue requests first)."""
+        self._thread.start()
 
     @property
     def context_tokens(self) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 import toy_plugins
@@ -113,7 +114,7 @@ def test_cancel_frees_the_slot_within_one_cycle(engine_of):
     steps = Steps(engine.executor, on_cycle=lambda i: engine.cancel(a) if i == 2 else None)
     for r in (a, b, c):
         engine.submit(r)
-    engine._thread.start()
+    engine.start()
     text_a, ends_a = collect(a)
     assert ends_a[-1][2] == "cancelled" and ends_a[-1][3]["stats"]["cycles"] == 3
     assert text_a[0] == expected(a, ends_a[-1][3]["completion_tokens"])
@@ -150,7 +151,7 @@ def test_failed_cycle_fails_its_requests_then_serves_on(engine_of):
     engine.executor.step = broken
     for r in (a, b):
         engine.submit(r)
-    engine._thread.start()
+    engine.start()
     for r in (a, b):
         _, ends = collect(r)
         assert ends == [("error", 500, "internal error while generating: RuntimeError: boom in step")]
@@ -168,7 +169,7 @@ def test_fair_admission_across_clients(engine_of):
     reqs = [request(name, [1, 2], 2, client=name[0]) for name in ("a1", "a2", "a3", "b1")]
     for r in reqs:
         engine.submit(r)
-    engine._thread.start()
+    engine.start()
     for r in reqs:
         collect(r)
     order = list(dict.fromkeys(rid for cycle in steps.cycles for rid in cycle))
@@ -179,7 +180,7 @@ def test_close_ends_running_requests_as_cancelled(engine_of):
     """Closing the engine ends the requests in flight as cancelled (their text so far kept) and the waiting ones 503."""
     engine = engine_of(1)
     started = threading.Event()
-    Steps(engine.executor, on_cycle=lambda i: started.set())
+    Steps(engine.executor, on_cycle=lambda i: (started.set(), time.sleep(0.02)))  # slow: it is still running at close
     running, waiting = request("run", [1, 2], 500), request("wait", [3, 4], 5)
     engine.submit(running)
     started.wait(10)
