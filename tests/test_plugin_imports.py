@@ -140,8 +140,8 @@ from draftflow.plugin import Manifest, NodeType, Port, Proposal, hookimpl
 
 
 class Leaky(Node):
-    def step(self, req, inputs):
-        return {"proposal": Proposal(torch.full((1, req.num_draft), req.anchor, dtype=torch.long))}
+    def step(self, batch, inputs):
+        return {"proposal": Proposal(torch.zeros(batch.size, batch.num_draft, dtype=torch.long))}
 
 
 def manifest(params, env):

@@ -27,10 +27,18 @@ def manifest(params, env) -> Manifest:
     """Declared before anything loads: one proposal output, the target interface, device bytes."""
     return Manifest(
         role="drafter",
-        outputs=(Port("proposal", "proposal", doc="up to K tokens [1, K], probs None"),),
+        outputs=(Port("proposal", "proposal", doc="up to K tokens per row [B, K] with lengths, probs None"),),
         requires={TARGET_HANDLE},  # so ctx.target is the loaded target's TargetHandle
-        vram=Vram(scratch=8 * env.num_draft),  # the int64 draft row; the table lives in host memory
+        vram=Vram(scratch=8 * env.num_draft),  # an int64 draft row; the tables live in host memory
     )
+
+
+def padded(rows: list[list[int]], device) -> Proposal:
+    """One proposal for the batch: row i's drafts, padded with token 0 to the longest row, and each row's length."""
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)  # [B, K]
+    lengths = torch.tensor([len(r) for r in rows])  # [B]: the real drafts of each row
+    return Proposal(tokens.to(device), lengths=lengths.to(device))
 
 
 class NgramDrafter(Node):
@@ -38,36 +46,44 @@ class NgramDrafter(Node):
         super().__init__(ctx)
         self.order = ctx.params["order"]
         self.stop = set(ctx.target.eos_ids)  # drafting past the end would be wasted work
-        self.table: dict[tuple[int, ...], int] = {}
-        self.learned = 0  # how many of req.tokens the table has seen
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {}  # request slot -> n-gram -> next token
+        self.learned: dict[int, int] = {}  # request slot -> how many of its req.tokens the table has seen
 
-    def learn(self, tokens: list[int]) -> None:
+    def learn(self, req) -> None:
         # The latest continuation of an n-gram wins: it follows a text whose pattern just changed.
-        for i in range(max(self.learned, self.order), len(tokens)):
-            self.table[tuple(tokens[i - self.order:i])] = tokens[i]
-        self.learned = len(tokens)
+        table, tokens = self.tables[req.slot], req.tokens
+        for i in range(max(self.learned[req.slot], self.order), len(tokens)):
+            table[tuple(tokens[i - self.order:i])] = tokens[i]
+        self.learned[req.slot] = len(tokens)
 
     def prefill(self, req):
-        self.table, self.learned = {}, 0  # a new request: another text's n-grams would only mislead
-        self.learn(req.tokens)
+        self.tables[req.slot], self.learned[req.slot] = {}, 0  # a new request: another text's n-grams would only mislead
+        self.learn(req)
         return {}
 
-    def step(self, req, inputs):
-        context, drafts = list(req.tokens[-self.order:]), []
+    def draft(self, req) -> list[int]:
+        table, context, drafts = self.tables[req.slot], list(req.tokens[-self.order:]), []
         while len(drafts) < req.num_draft:
-            nxt = self.table.get(tuple(context[-self.order:]))
+            nxt = table.get(tuple(context[-self.order:]))
             if nxt is None:
                 break
             drafts.append(nxt)
             context.append(nxt)
             if nxt in self.stop:
                 break
-        tokens = torch.tensor(drafts, dtype=torch.long, device=self.ctx.device).reshape(1, len(drafts))  # [B=1, K]
-        return {"proposal": Proposal(tokens)}
+        return drafts
+
+    def step(self, batch, inputs):
+        # Row i is the request in slot i, or None for a slot this cycle does not step (its row is ignored).
+        rows = [self.draft(req) if req is not None else [] for req in batch.rows]
+        return {"proposal": padded(rows, self.ctx.device)}
 
     def commit(self, req, info):
-        self.learn(req.tokens)  # committed tokens only grow (a rejection never removes them): learn the tail
+        self.learn(req)  # committed tokens only grow (a rejection never removes them): learn the tail
         return {}
+
+    def release(self, req):
+        del self.tables[req.slot], self.learned[req.slot]  # the request left: its slot's table goes with it
 
 
 @hookimpl

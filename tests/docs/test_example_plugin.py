@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from draftflow.core.errors import SpecError
-from draftflow.core.node import CommitInfo, NodeContext, RequestState, SamplingParams
+from draftflow.core.node import Batch, CommitInfo, NodeContext, RequestState, SamplingParams
 from draftflow.core.plan import Env
 from draftflow.core.registry import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV
 
@@ -194,13 +194,13 @@ def test_drafter_learns_committed_tokens(bigram):
     node = _node(bigram)
     req = _request([7, 8, 9])
     node.prefill(req)
-    empty = node.step(req, {})["proposal"]
+    empty = node.step(Batch([req], 4), {})["proposal"]
     assert empty.tokens.shape == (1, 0) and empty.tokens.dtype == torch.int64 and empty.probs is None
     req.tokens.append(7)
     node.commit(req, CommitInfo(position=2, num_draft=0, accepted=0, emitted=(7,)))
-    assert node.step(req, {})["proposal"].tokens.tolist() == [[8, 9, 7, 8]]
+    assert node.step(Batch([req], 4), {})["proposal"].tokens.tolist() == [[8, 9, 7, 8]]
     req.num_draft = 2
-    assert node.step(req, {})["proposal"].tokens.tolist() == [[8, 9]]
+    assert node.step(Batch([req], 4), {})["proposal"].tokens.tolist() == [[8, 9]]
 
 
 def test_drafter_forgets_between_requests(bigram):
@@ -209,4 +209,17 @@ def test_drafter_forgets_between_requests(bigram):
     node.prefill(_request([1, 2, 1, 2]))
     req = _request([5, 1])
     node.prefill(req)
-    assert node.step(req, {})["proposal"].tokens.shape == (1, 0)
+    assert node.step(Batch([req], 4), {})["proposal"].tokens.shape == (1, 0)
+
+
+def test_drafter_keeps_one_table_per_slot(bigram):
+    """Two requests in slots 0 and 2 (slot 1 a pad row) draft from their own counts; release drops the slot's."""
+    node = _node(bigram)
+    a, b = _request([1, 2, 3, 1]), _request([4, 5, 4], num_draft=2)
+    b.slot = 2
+    node.prefill(a)
+    node.prefill(b)
+    out = node.step(Batch([a, None, b], 4), {})["proposal"]
+    assert out.lengths.tolist() == [4, 0, 2] and out.tokens[0].tolist() == [2, 3, 1, 2] and out.tokens[2, :2].tolist() == [5, 4]
+    node.release(a)
+    assert list(node.tables) == [2]

@@ -61,10 +61,11 @@ def test_taps_tool_reports_a_verify_window_bug(monkeypatch, capsys):
 
     real_step = Target.step
 
-    def step(self, req, inputs):
-        out = real_step(self, req, inputs)
-        if self.features is not None and req.position > 0:
-            self.features[:, req.position] *= 1.01  # the anchor row's taps, off by 1%
+    def step(self, batch, inputs):
+        out = real_step(self, batch, inputs)
+        for _, req in batch.active():
+            if self.features is not None and req.position > 0:
+                self.features[req.slot, req.position] *= 1.01  # the anchor row's taps, off by 1%
         return out
 
     monkeypatch.setattr(Target, "step", step)

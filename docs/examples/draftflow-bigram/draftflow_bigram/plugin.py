@@ -67,34 +67,45 @@ def manifest(params, env) -> Manifest:
     return Manifest(
         role="drafter",
         outputs=(Port("proposal", "proposal", doc="greedy bigram chain from the anchor, K <= num_draft"),),
-        # The counts live in host memory; on the device there is only the [1, K] int64 draft row.
+        # The counts live in host memory; on the device there are only the [B, K] int64 drafts.
         vram=Vram(scratch=8 * env.num_draft),
     )
+
+
+def padded(rows: list[list[int]], device) -> Proposal:
+    """One proposal for the batch: row i's drafts, padded with token 0 to the longest row, and each row's length."""
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)  # [B, K]
+    lengths = torch.tensor([len(r) for r in rows])  # [B]: the real drafts of each row
+    return Proposal(tokens.to(device), lengths=lengths.to(device))
 
 
 class BigramDrafter(Node):
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.table = BigramTable(ctx.params["min_count"])
-        self.learned = 0  # how many of req.tokens the table has counted
+        self.tables: dict[int, BigramTable] = {}  # request slot -> the counts of the request in it
+        self.learned: dict[int, int] = {}  # request slot -> how many of its req.tokens the table has counted
 
     def prefill(self, req):
         # A new request starts from nothing: counts from another text would only mislead.
-        self.table = BigramTable(self.table.min_count)
-        self.table.observe(req.tokens)
-        self.learned = len(req.tokens)
+        self.tables[req.slot] = BigramTable(self.ctx.params["min_count"])
+        self.tables[req.slot].observe(req.tokens)
+        self.learned[req.slot] = len(req.tokens)
         return {}
 
-    def step(self, req, inputs):
-        drafts = self.table.chain(req.anchor, req.num_draft)
-        tokens = torch.tensor(drafts, dtype=torch.long).reshape(1, len(drafts)).to(self.ctx.device)  # [1, K]
-        return {"proposal": Proposal(tokens)}
+    def step(self, batch, inputs):
+        # Row i is the request in slot i, or None for a slot this cycle does not step (its row is ignored).
+        rows = [self.tables[req.slot].chain(req.anchor, req.num_draft) if req is not None else [] for req in batch.rows]
+        return {"proposal": padded(rows, self.ctx.device)}
 
     def commit(self, req, info):
         # Committed tokens only ever grow, so learning the new tail is all a commit needs.
-        self.table.observe(req.tokens, start=self.learned)
-        self.learned = len(req.tokens)
+        self.tables[req.slot].observe(req.tokens, start=self.learned[req.slot])
+        self.learned[req.slot] = len(req.tokens)
         return {}
+
+    def release(self, req):
+        del self.tables[req.slot], self.learned[req.slot]
 
 
 @hookimpl
