@@ -200,7 +200,7 @@ def cold_start(model, cfg, shapes, a) -> dict:
     runner = session.executor.nodes["target"].runner
     captures = getattr(runner, "capture_s", {})
     out["graphs_at_warmup"] = len(runner.graphs) if runner is not None else 0
-    out["capture_s"] = {f"W={w} bucket={b}": s for (w, b), s in captures.items()}
+    out["capture_s"] = {f"W={w} bucket={b}": s for (_, w, b), s in captures.items()}  # batch bucket 1 at warm-up
     sync()
     t = time.perf_counter()
     first = session.generate(prompt, SamplingParams(max_new_tokens=a.new, ignore_eos=True))
@@ -272,7 +272,7 @@ def profile(runner, start: int, w: int, reps: int, out_dir: Path) -> dict:
         if sum(e["cat"] == "kernel" for e in events) < 10 * reps:
             source = "un-captured static step (the trace showed no kernels inside graphs); idle time is launch-bound"
             bucket = bucket_for(start + w, runner.cache.capacity, runner.min_bucket)
-            events = kernel_events(lambda: runner._run(w, bucket), reps, out_dir / f"trace_w{w}.json")
+            events = kernel_events(lambda: runner._run(1, w, bucket), reps, out_dir / f"trace_w{w}.json")
     span_us = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
     classes: dict[str, list[float]] = {}
     names: dict[str, float] = {}

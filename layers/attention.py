@@ -36,19 +36,27 @@ def bucket_for(end: int, capacity: int, smallest: int = MIN_BUCKET) -> int:
 class Window:
     """Where a window's tokens go and which cache cells they see, as device tensors.
 
-    `positions` [T] and `start` [1] live on the device; `keys` is the attended prefix
-    length; `host_start` is the start when the host knows it (eager forwards: K/V are
-    written by slicing, which a training cache without a buffer also supports), None for a
-    device-held start (K/V written by `index_copy_` at `positions`). `causal`: no mask is
-    needed (an exact prefix from position 0, or one token over an exact prefix).
+    `positions` is [T] when every row of the batch starts at the same position (B = 1, a
+    prefill chunk) or [B, T] with per-row starts (a batched step: row b at start_b ..
+    start_b + T - 1); `start` is [1] or [B] to match. `keys` is the attended prefix length
+    (eager: the largest end over the rows; captured: a bucket). `host_start` is the start
+    when the host knows one start for all rows (eager forwards: K/V are written by slicing,
+    which a training cache without a buffer also supports), else None (K/V written at
+    `positions` on the device: `index_copy_`, or `index_put_` per row). `causal`: no mask
+    is needed (an exact prefix from position 0, or one token over an exact prefix).
     """
 
     def __init__(self, positions: torch.Tensor, start: torch.Tensor, keys: int, host_start: int | None,
                  causal: bool) -> None:
-        # positions: [T] int64; start: [1] int64
+        # positions: [T] or [B, T] int64; start: [1] or [B] int64
         self.positions, self.start, self.keys = positions, start, keys
         self.host_start, self.causal = host_start, causal
         self._masks: dict = {}
+
+    @property
+    def per_row(self) -> bool:
+        """True when rows start at different positions (positions [B, T])."""
+        return self.positions.dim() == 2
 
     @classmethod
     def at(cls, start_pos: int, t: int, device: torch.device | str, causal: bool | None = None) -> Window:
@@ -58,18 +66,32 @@ class Window:
         return cls(positions, positions[:1], start_pos + t, start_pos, causal)
 
     @classmethod
+    def rows(cls, starts: list[int], t: int, device: torch.device | str) -> Window:
+        """An eager window with row b at host position `starts[b]`, over the prefix [0, max(starts) + t)."""
+        if len(set(starts)) == 1:
+            return cls.at(starts[0], t, device)
+        start = torch.tensor(starts, dtype=torch.long, device=device)  # [B]
+        positions = start[:, None] + torch.arange(t, device=device)  # [B, T]
+        return cls(positions, start, max(starts) + t, None, False)
+
+    @classmethod
     def bucketed(cls, start: torch.Tensor, t: int, bucket: int) -> Window:
-        """A window at the device-held `start` ([1] int64) over the first `bucket` cache cells (static shapes)."""
-        positions = start + torch.arange(t, device=start.device)  # [T]
+        """A window at the device-held `start` ([1], or [B] per row) over the first `bucket` cache cells (static shapes)."""
+        steps = torch.arange(t, device=start.device)
+        positions = start + steps if start.shape[0] == 1 else start[:, None] + steps  # [T] or [B, T]
         return cls(positions, start, bucket, None, False)
 
     def folded_mask(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [G*T, keys]: query row g*T + j sees keys <= positions[j] (stale cells past it get -inf)."""
+        """Additive mask, query row g*T + j sees keys <= its position (stale cells past it get -inf):
+        [G*T, keys], or [B, 1, G*T, keys] for per-row positions."""
         key = (groups, dtype)
         if key not in self._masks:  # once per forward, shared by every layer
-            visible = torch.arange(self.keys, device=self.positions.device)[None, :] <= self.positions[:, None]
+            visible = torch.arange(self.keys, device=self.positions.device) <= self.positions[..., None]  # [(B,) T, keys]
             mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-            self._masks[key] = mask.repeat(groups, 1)
+            if self.per_row:
+                self._masks[key] = mask.repeat(1, groups, 1)[:, None]
+            else:
+                self._masks[key] = mask.repeat(groups, 1)
         return self._masks[key]
 
     def write(self, cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -77,6 +99,12 @@ class Window:
         # k, v: [B, T, KVH, D]
         if self.host_start is not None:
             cache.write(layer, self.host_start, k, v)
+        elif self.per_row:
+            if "rows" not in self._masks:
+                self._masks["rows"] = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            index = (self._masks["rows"], self.positions)
+            cache.buffer[layer, 0].index_put_(index, k)
+            cache.buffer[layer, 1].index_put_(index, v)
         else:
             cache.buffer[layer, 0].index_copy_(1, self.positions, k)
             cache.buffer[layer, 1].index_copy_(1, self.positions, v)
@@ -92,7 +120,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: Wi
     """SDPA over a cache prefix: the plain (flash-eligible, causal) kernel when no mask is needed, else the masked one."""
     # q: [B, KVH, G*T, D] folded; keys, values: [B, S, KVH, D] (cache views) -> [B, T, QH*D]
     b, kvh, rows, d = q.shape
-    t = window.positions.shape[0]
+    t = window.positions.shape[-1]
     if not window.causal:
         return attend_prefix(q, keys, values, window.folded_mask(rows // t, q.dtype), t)
     q = q.view(b, rows // t * kvh, t, d)  # [B, QH, T, D]: head h = kvh*G + g
@@ -113,7 +141,8 @@ def attend_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     kernel, the one that takes a mask. At batch 1 each KV head becomes a batch entry, so a
     one-token window's output is already in o_proj's [heads * D] order (no copy).
     """
-    # q: [B, KVH, G*W, D]; keys, values: [B, S, KVH, D] (cache views); mask: [G*W, S] -> [B, W, QH*D]
+    # q: [B, KVH, G*W, D]; keys, values: [B, S, KVH, D] (cache views); mask: [G*W, S] or [B, 1, G*W, S]
+    # -> [B, W, QH*D]
     b, kvh, rows, d = q.shape
     g = rows // w
     if b == 1:

@@ -44,8 +44,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [T, 1, R]
-        sin: torch.Tensor,  # [T, 1, R]
+        cos: torch.Tensor,  # [T, 1, R], or [B, T, 1, R] for per-row positions
+        sin: torch.Tensor,  # [T, 1, R], or [B, T, 1, R]
         cache,  # KVCache (or a duck-typed training cache with write/read)
         layer: int,
         start_pos: int | None = None,
@@ -72,8 +72,8 @@ class Attention(nn.Module):
         gate = None
         if qkv is not None and kernels.prologue is not None and self.prologue_ok and hasattr(cache, "buffer"):
             kv = cache.buffer
-            q = kernels.prologue(qkv, cos[:, 0], sin[:, 0], *norms, window.start, kv[layer, 0], kv[layer, 1], qh,
-                                 self.eps)  # [B, KVH, G*T, D], K/V written
+            q = kernels.prologue(qkv, cos.squeeze(-2), sin.squeeze(-2), *norms, window.start, kv[layer, 0], kv[layer, 1],
+                                 qh, self.eps)  # [B, KVH, G*T, D], K/V written
         else:
             if qkv is not None:
                 q, k, v = qkv.split([q_rows, kvh * d, kvh * d], dim=-1)

@@ -61,7 +61,12 @@ def state_bytes(cfg: TargetConfig, max_window: int, dtype: torch.dtype, mode: st
 
 
 class LinearState:
-    """Conv tapes and recurrent states of all linear-attention layers; `length` tokens committed."""
+    """Conv tapes and recurrent states of all linear-attention layers, one row per request slot.
+
+    `lengths[b]` tokens are committed in row b. `rows(a, b)` is a view of rows [a, b) sharing
+    the tensors and the per-row bookkeeping: a prefill runs on one slot's view, a batched
+    step on `rows(0, n)`, and every method acts on the view's rows only.
+    """
 
     def __init__(self, conv: torch.Tensor, rec: torch.Tensor, max_window: int, kernel_tail: int,
                  mode: str = "select", journal: torch.Tensor | None = None) -> None:
@@ -72,9 +77,11 @@ class LinearState:
         self.conv, self.rec, self.journal = conv, rec, journal
         self.max_window, self.mode = max_window, mode
         self.kernel_tail = kernel_tail  # K-1 conv inputs carried between windows
-        self.length = 0
-        self._window: tuple[int, int] | None = None  # (start, T) of the last forward
-        self._recorded = False
+        b = conv.shape[1]
+        self._lo, self._hi = 0, b
+        # Per row, shared by every view: committed length, (start, T) of the last forward, whether it recorded.
+        self._lengths, self._windows, self._recorded = [0] * b, [None] * b, [False] * b
+        self._root, self._views = self, {}
 
     @classmethod
     def allocate(cls, cfg: TargetConfig, batch: int, max_window: int, dtype: torch.dtype,
@@ -85,45 +92,100 @@ class LinearState:
         journal = torch.zeros(journal_shape(cfg, batch, max_window), device=device) if mode == "replay" else None
         return cls(conv, rec, max_window, cfg.linear_conv_kernel - 1, mode, journal)
 
+    def rows(self, lo: int, hi: int) -> LinearState:
+        """A view of rows [lo, hi) (slots) sharing tensors and bookkeeping; row 0 of the view = slot `lo`."""
+        if not 0 <= lo < hi <= self.batch:
+            raise ValueError(f"linear-state rows [{lo}, {hi}) are outside [0, {self.batch})")
+        if (lo, hi) == (0, self.batch):
+            return self
+        root = self._root
+        lo, hi = self._lo + lo, self._lo + hi
+        view = root._views.get((lo, hi))
+        if view is None:
+            view = object.__new__(LinearState)
+            view.conv, view.rec = root.conv[:, lo:hi], root.rec[:, :, lo:hi]
+            view.journal = root.journal[:, :, lo:hi] if root.journal is not None else None
+            view.max_window, view.mode, view.kernel_tail = root.max_window, root.mode, root.kernel_tail
+            view._lo, view._hi, view._root, view._views = lo, hi, root, {}
+            view._lengths, view._windows, view._recorded = root._lengths, root._windows, root._recorded
+            root._views[(lo, hi)] = view
+        return view
+
+    @property
+    def batch(self) -> int:
+        return self._hi - self._lo
+
+    @property
+    def lengths(self) -> list[int]:
+        """Committed tokens of each row (a copy)."""
+        return self._lengths[self._lo:self._hi]
+
+    @property
+    def length(self) -> int:
+        """The committed length, when every row has the same one (always so for one row)."""
+        first = self._lengths[self._lo]
+        if any(n != first for n in self._lengths[self._lo + 1:self._hi]):
+            raise ValueError(f"the linear-state rows have different committed lengths {self.lengths}; read lengths[row]")
+        return first
+
+    @length.setter
+    def length(self, value: int) -> None:  # benchmarks that fake a committed context
+        for r in range(self._lo, self._hi):
+            self._lengths[r] = value
+
     def reset(self) -> None:
-        """Back to the empty prefix (zero conv inputs, zero recurrent state)."""
+        """Back to the empty prefix (zero conv inputs, zero recurrent state) in every row of this view."""
         self.conv[..., :self.kernel_tail].zero_()
         self.rec[:, 0].zero_()
-        self.length, self._window = 0, None
+        for r in range(self._lo, self._hi):
+            self._lengths[r], self._windows[r] = 0, None
 
-    def begin(self, start: int, tokens: int) -> bool:
-        """Open a forward window of `tokens` at `start`; return whether per-position states are recorded."""
-        if start != self.length:
-            raise CacheCapacityError(
-                f"linear-attention forward at start_pos={start} but the recurrent state holds {self.length} tokens; "
-                "a recurrent state cannot attend to an arbitrary prefix, so commit (or reset) to start_pos first"
-            )
-        self._window = (start, tokens)
-        self._recorded = tokens <= self.max_window
-        return self._recorded
+    def begin(self, start: int | list[int], tokens: int) -> bool:
+        """Open a forward window of `tokens` at `start` (one per row, or one for all); return whether per-position
+        states are recorded."""
+        starts = [start] * self.batch if isinstance(start, int) else list(start)
+        recorded = tokens <= self.max_window
+        for r, s in zip(range(self._lo, self._hi), starts, strict=True):
+            if s != self._lengths[r]:
+                raise CacheCapacityError(
+                    f"linear-attention forward at start_pos={s} but the recurrent state holds {self._lengths[r]} tokens; "
+                    "a recurrent state cannot attend to an arbitrary prefix, so commit (or reset) to start_pos first"
+                )
+        for r, s in zip(range(self._lo, self._hi), starts):
+            self._windows[r], self._recorded[r] = (s, tokens), recorded
+        return recorded
 
-    def commit(self, new_length: int) -> None:
-        """Make the state describe the first `new_length` tokens: select (or replay) inside the last window."""
-        n = new_length - self.length
+    def commit(self, new_length: int, row: int | None = None) -> None:
+        """Make `row` (None: every row of the view) describe its first `new_length` tokens: select (or replay)
+        inside the last window."""
+        rows = range(self.batch) if row is None else (row,)
+        for r in rows:
+            self._commit_row(r, new_length)
+
+    def _commit_row(self, row: int, new_length: int) -> None:
+        r = self._lo + row
+        n = new_length - self._lengths[r]
         if n == 0:
             return
-        start, tokens = self._window or (self.length, 0)
-        if start != self.length or not 0 < n <= tokens or (not self._recorded and n != tokens):
+        start, tokens = self._windows[r] or (self._lengths[r], 0)
+        recorded = self._recorded[r]
+        if start != self._lengths[r] or not 0 < n <= tokens or (not recorded and n != tokens):
             raise CacheCapacityError(
                 f"linear-state commit({new_length}) does not fall inside the last window "
                 f"[{start}, {start + tokens}] (whole prefill chunks only); commit only positions a forward has computed"
             )
         k = self.kernel_tail
-        if self._recorded:
-            self.conv[..., :k] = self.conv[..., n:n + k].clone()
+        conv, rec = self.conv[:, row], self.rec[:, :, row]  # [NL, C, ...], [NL, slots, Hv, Dk, Dv]
+        if recorded:
+            conv[..., :k] = conv[..., n:n + k].clone()
             if self.mode == "select":
-                self.rec[:, 0] = self.rec[:, n]
+                rec[:, 0] = rec[:, n]
             else:
-                replay(self.rec[:, 0], self.journal[:, :n])
+                replay(rec[:, 0].unsqueeze(1), self.journal[:, :n, row:row + 1])
         else:  # prefill chunk: the forward left the final K-1 inputs right after the committed ones
-            self.conv[..., :k] = self.conv[..., k:2 * k].clone()
-            self.rec[:, 0] = self.rec[:, 1]
-        self.length, self._window = new_length, None
+            conv[..., :k] = conv[..., k:2 * k].clone()
+            rec[:, 0] = rec[:, 1]
+        self._lengths[r], self._windows[r] = new_length, None
 
 
 def replay(state: torch.Tensor, journal: torch.Tensor) -> None:

@@ -32,10 +32,11 @@ def _round(x, IS_BF16: tl.constexpr):
 def _qk_rope_write_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, start_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
-    stride_row, stride_cache_b, stride_cache_pos, eps, W,
+    stride_row, stride_cache_b, stride_cache_pos, stride_rope_b, stride_start, eps, W,
     QH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, IS_BF16: tl.constexpr,
 ):
-    # qkv: [B*W, (QH+2*KVH)*D]; cos, sin: [W, D]; q: [B, KVH, G*W, D]; caches: [B, capacity, KVH, D]
+    # qkv: [B*W, (QH+2*KVH)*D]; cos, sin: [W, D] shared or [B, W, D] per row (stride_rope_b 0 or W*D);
+    # start: [1] shared or [B] per row (stride_start 0 or 1); q: [B, KVH, G*W, D]; caches: [B, capacity, KVH, D]
     row = tl.program_id(0)
     head = tl.program_id(1)
     b = row // W
@@ -47,7 +48,9 @@ def _qk_rope_write_kernel(
     src = qkv_ptr + row * stride_row + head * D
     x1 = tl.load(src + offs).to(tl.float32)
     x2 = tl.load(src + HALF + offs).to(tl.float32)
-    pos = tl.load(start_ptr) + w
+    pos = tl.load(start_ptr + b * stride_start) + w
+    cos_ptr += b * stride_rope_b
+    sin_ptr += b * stride_rope_b
     if head < QH + KVH:
         if HAS_NORM:  # model.RMSNorm: float32 statistics, cast, then the weight
             inv = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
@@ -80,25 +83,27 @@ def _qk_rope_write_kernel(
 
 def qk_rope_write(
     qkv: torch.Tensor,  # [B, W, (QH + 2*KVH) * D], the fused projection's output
-    cos: torch.Tensor,  # [W, D]
-    sin: torch.Tensor,  # [W, D]
+    cos: torch.Tensor,  # [W, D], or [B, W, D] per row
+    sin: torch.Tensor,  # [W, D], or [B, W, D]
     q_norm: torch.Tensor | None,  # [D] or None (no q/k norm)
     k_norm: torch.Tensor | None,  # [D]
-    start: torch.Tensor,  # [1] int64
+    start: torch.Tensor,  # [1] int64, or [B] per row
     k_cache: torch.Tensor,  # [B, capacity, KVH, D], one layer's keys
     v_cache: torch.Tensor,  # [B, capacity, KVH, D]
     num_heads: int,
     eps: float,
 ) -> torch.Tensor:  # q: [B, KVH, G*W, D], query groups folded into rows
-    """Normalise and rotate q and k, write k and v at positions start..start+W-1, return q grouped for attention."""
+    """Normalise and rotate q and k, write k and v at positions start..start+W-1 (per row), return q grouped for attention."""
     b, w, _ = qkv.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     q = torch.empty(b, kvh, (num_heads // kvh) * w, d, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
     _qk_rope_write_kernel[(b * w, num_heads + 2 * kvh)](
         qkv, cos, sin, q_norm if has_norm else qkv, k_norm if has_norm else qkv, start,
         q, k_cache, v_cache,
-        qkv.stride(1), k_cache.stride(0), k_cache.stride(1), eps, w,
+        qkv.stride(1), k_cache.stride(0), k_cache.stride(1), w * d if cos.dim() == 3 else 0,
+        1 if start.shape[0] > 1 else 0, eps, w,
         QH=num_heads, KVH=kvh, D=d, HAS_NORM=has_norm, IS_BF16=qkv.dtype == torch.bfloat16, num_warps=1,
     )
     return q
@@ -108,7 +113,7 @@ def qk_rope_write(
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr,  # inputs
     m_ptr, l_ptr, acc_ptr,  # per-split partial results
-    stride_cache_b, stride_cache_pos, scale, W, R, NSPLIT,
+    stride_cache_b, stride_cache_pos, stride_start, scale, W, R, NSPLIT,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
 ):
     # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block)
@@ -119,7 +124,7 @@ def _attn_split_kernel(
     rows = tl.arange(0, BLOCK_R)
     dims = tl.arange(0, D)
     keys = split * BLOCK_N + tl.arange(0, BLOCK_N)
-    start = tl.load(start_ptr)
+    start = tl.load(start_ptr + b * stride_start)  # this row's window start (stride 0: one for all rows)
     is_key = keys < start + W  # cells past the window are stale or unwritten
     q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + dims[None, :], mask=rows[:, None] < R, other=0.0)
     cells = b * stride_cache_b + keys[:, None] * stride_cache_pos + kvh * D + dims[None, :]
@@ -178,9 +183,9 @@ def decode_attention(
     q: torch.Tensor,  # [B, KVH, G*W, D], row g*W + w
     k_cache: torch.Tensor,  # [B, capacity, KVH, D], one layer's keys
     v_cache: torch.Tensor,  # [B, capacity, KVH, D]
-    start: torch.Tensor,  # [1] int64: position of the window's first token
+    start: torch.Tensor,  # [1] int64: position of the window's first token; or [B]: per row
     w: int,
-    bucket: int,  # keys [0, bucket) are considered; the grid depends only on it
+    bucket: int,  # keys [0, bucket) are considered (the largest end over the rows); the grid depends only on it
 ) -> torch.Tensor:  # [B, W, KVH*G*D], o_proj's input layout
     """Causal attention of a W-token window over the cache, split over key blocks (flash-decoding).
 
@@ -194,7 +199,7 @@ def decode_attention(
     acc = torch.empty(b * kvh, nsplit, rows, d, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(b * kvh, nsplit)](
         q, k_cache, v_cache, start, m, l, acc,
-        k_cache.stride(0), k_cache.stride(1), d ** -0.5, w, rows, nsplit,
+        k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit,
         KVH=kvh, D=d, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_N=ATTN_BLOCK_N,
         IS_FP32=q.dtype == torch.float32, num_warps=4,
     )

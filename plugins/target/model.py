@@ -81,7 +81,7 @@ class TargetModel(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T] int64
-        start_pos: int | torch.Tensor,  # host int (eager), or [1] int64 on the device (captured windows)
+        start_pos: int | list[int] | torch.Tensor,  # host int or [B] ints (eager); [1] or [B] int64 on the device (captured)
         cache: KVCache,
         logit_rows: int | torch.Tensor | None = None,  # None | count of last rows | [R] or [B, R] indices
         tap_layers: tuple[int, ...] | None = None,
@@ -92,11 +92,13 @@ class TargetModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a window; return (logits [B, R, V] float32, taps [B, T, len(taps)*H] or None).
 
-        Eager (`start_pos` an int): the window attends to the exact prefix, shapes follow T,
-        and the host checks the cache and the linear state. Captured (`start_pos` a device
-        tensor): the window attends to the first `bucket` cells with later keys masked, no
+        Row b of the batch is cache row b (a `cache.rows(...)` view picks the slots). Eager
+        (`start_pos` an int, or a list of per-row starts): the window attends to the exact
+        prefix (the longest row's; shorter rows mask the rest), shapes follow T, and the host
+        checks the cache and the linear state. Captured (`start_pos` a device tensor, [1] or
+        per row [B]): the window attends to the first `bucket` cells with later keys masked, no
         host int depends on the start and nothing syncs, so the call can be a CUDA graph; the
-        caller checks the start, makes the cells writable and opens the linear-state window
+        caller checks the starts, makes the cells writable and opens the linear-state window
         (`linear.begin`) first (graphs.GraphRunner). `kernels` picks plain, compiled or
         Triton pieces (fused.Kernels); the math is the same.
 
@@ -121,17 +123,26 @@ class TargetModel(nn.Module):
             window = Window.bucketed(start_pos, t, bucket)
             recorded = True  # windows of at most linear.max_window tokens; the runner checks and opens them
         else:
-            if start_pos > cache.length:
-                raise ValueError(
-                    f"forward at start_pos={start_pos} but the KV cache holds only {cache.length} committed "
-                    "positions; commit the previous window first so attention never reads unwritten cells"
-                )
-            cache.ensure(start_pos + t)
-            window = Window.at(start_pos, t, tokens.device)
-            recorded = linear.begin(start_pos, t) if cfg.is_hybrid else False
+            starts = [start_pos] * b if isinstance(start_pos, int) else list(start_pos)
+            if len(starts) != b:
+                raise ValueError(f"forward got {len(starts)} start positions for a window of {b} rows; pass one per row")
+            lengths = cache.lengths if hasattr(cache, "lengths") else [cache.length] * b
+            for row, (start, length) in enumerate(zip(starts, lengths)):
+                if start > length:
+                    raise ValueError(
+                        f"forward at start_pos={start} but the KV cache holds only {length} committed positions"
+                        f"{f' in row {row}' if b > 1 else ''}; commit the previous window first so attention never reads unwritten cells"
+                    )
+            cache.ensure(max(starts) + t)
+            window = Window.at(start_pos, t, tokens.device) if isinstance(start_pos, int) else \
+                Window.rows(starts, t, tokens.device)
+            recorded = linear.begin(starts, t) if cfg.is_hybrid else False
 
         x = self.embed_tokens(tokens)  # [B, T, H]
-        cos, sin = rope_tables(self.inv_freq, window.positions, x.dtype)  # [T, 1, R] each
+        # [T, 1, R] each, or [B, T, 1, R] for per-row positions
+        cos, sin = rope_tables(self.inv_freq, window.positions.reshape(-1), x.dtype)
+        if window.per_row:
+            cos, sin = cos.view(b, t, 1, -1), sin.view(b, t, 1, -1)
         if self.host_experts is not None and self.expert_cache is None:
             self.set_expert_cache(None)  # nobody sized the cache: keep every expert resident
         ops, eps, offset = kernels, cfg.rms_norm_eps, cfg.norm_offset

@@ -6,6 +6,12 @@ preallocated buffer at the planned capacity; ``grow``: chunks on demand, capabil
 ``kv.grow``) and, when feature taps are asked for, a feature buffer indexed by position.
 A hybrid target also owns the Gated DeltaNet states with one candidate per verify-window
 position (docs/HYBRID.md), so committing a partially accepted window is a selection.
+
+Every buffer has one row per request slot (manifest dimension ``"batch"``) and
+``num_draft + 1`` slack cells past the planned capacity, where a pad row of a batch (a
+slot the cycle does not step) writes its window past its committed length. A prefill runs
+B = 1 on its slot's rows; a step verifies the ``[n, 1+K]`` window of all rows at once, row
+b at its own position (CUDA graphs per batch bucket on the GPU, graphs.py).
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import torch.nn.functional as F
 from draftflow.plugin import (
     EMBED_BUFFER,
     HEAD_BUFFER,
-    KV_TOKENS,
     TARGET_HANDLE,
+    BATCH,
     BufferSpec,
     Features,
     Manifest,
@@ -34,6 +40,7 @@ from draftflow.plugin import (
     TargetOutput,
     Vram,
     hookimpl,
+    kv_dim,
 )
 from draftflow.layers.config import TargetConfig, weight_bytes
 from draftflow.layers.kv_cache import KVCache
@@ -104,18 +111,19 @@ def manifest(params, env) -> Manifest:
     bad = [t for t in taps if not 0 <= t < cfg.num_layers]
     if bad:
         raise ModelFormatError(f"tap_layers {bad} are outside the model's layers [0, {cfg.num_layers}); pick existing layers")
-    kv_shape = (cfg.num_kv_layers, 2, 1, KV_TOKENS, cfg.num_kv_heads, cfg.head_dim)
+    window = env.num_draft + 1  # a pad row writes up to one window past its slot's committed length
+    kv_shape = (cfg.num_kv_layers, 2, BATCH, kv_dim(window), cfg.num_kv_heads, cfg.head_dim)
     owns = [BufferSpec("kv_cache", kv_shape, env.dtype, preallocate=params["kv_mode"] == "static",
                        doc="K and V per full-attention layer, addressed by position")]
     if cfg.is_hybrid:
-        owns += linear_buffers(cfg, env.num_draft + 1, env.dtype, params["linear_rollback"])
+        owns += linear_buffers(cfg, window, env.dtype, params["linear_rollback"])
     owns += [BufferSpec(EMBED_BUFFER, (cfg.vocab_size, cfg.hidden_size), env.dtype, preallocate=False, of_weights=True,
                         doc="the token embedding (read-only to every other node)"),
              BufferSpec(HEAD_BUFFER, (cfg.vocab_size, cfg.hidden_size), env.dtype, preallocate=False, of_weights=True,
                         doc="the LM head (the embedding itself when tied; read-only to every other node)")]
     provides = {"target.logits", f"kv.{params['kv_mode']}", TARGET_HANDLE}
     if taps:
-        owns.append(BufferSpec("target_features", (1, KV_TOKENS, len(taps) * cfg.hidden_size), env.dtype,
+        owns.append(BufferSpec("target_features", (BATCH, kv_dim(window), len(taps) * cfg.hidden_size), env.dtype,
                                doc="feature taps of every position, concatenated in tap order"))
         provides.add("target.features")
     scratch = SCRATCH_TOKENS * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + SCRATCH_TOKENS * cfg.vocab_size * 4
@@ -139,13 +147,13 @@ def manifest(params, env) -> Manifest:
 
 def linear_buffers(cfg: TargetConfig, window: int, dtype: str, mode: str) -> list[BufferSpec]:
     """The Gated DeltaNet state buffers for verify windows of up to `window` tokens (see linear_state.py)."""
-    out = [BufferSpec("linear_conv", conv_shape(cfg, 1, window), dtype,
+    out = [BufferSpec("linear_conv", conv_shape(cfg, BATCH, window), dtype,
                       doc="per linear layer: last K-1 committed conv inputs, then one window's inputs"),
-           BufferSpec("linear_recurrent", recurrent_shape(cfg, 1, window, mode), "float32",
+           BufferSpec("linear_recurrent", recurrent_shape(cfg, BATCH, window, mode), "float32",
                       doc="per linear layer: committed recurrent state" + (", then the state after each window position"
                                                                            if mode == "select" else ""))]
     if mode == "replay":
-        out.append(BufferSpec("linear_journal", journal_shape(cfg, 1, window), "float32",
+        out.append(BufferSpec("linear_journal", journal_shape(cfg, BATCH, window), "float32",
                               doc="per linear layer and window token: k, v, log-decay, beta to replay on commit"))
     return out
 
@@ -178,15 +186,17 @@ class Target(Node):
         self.eos_ids = loaded.eos_ids
         self.tokenizer = _Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
         self.taps = tuple(p["tap_layers"]) or None
-        self.features = ctx.buffers.get("target_features")  # [1, kv_tokens, n_taps * H]
+        self.features = ctx.buffers.get("target_features")  # [max_batch, kv_tokens + W, n_taps * H]
+        window = ctx.num_draft + 1
         if p["kv_mode"] == "static":
-            self.cache = KVCache.from_static(ctx.buffers["kv_cache"])
+            self.cache = KVCache.from_static(ctx.buffers["kv_cache"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]
         else:
-            self.cache = KVCache.growing(self.config, 1, ctx.kv_tokens, ctx.dtype, ctx.device, p["grow_chunk"])
+            self.cache = KVCache.growing(self.config, ctx.max_batch, ctx.kv_tokens + window, ctx.dtype, ctx.device,
+                                         p["grow_chunk"])
         self.linear = None
         if self.config.is_hybrid:
             b = ctx.buffers
-            self.linear = LinearState(b["linear_conv"], b["linear_recurrent"], ctx.num_draft + 1,
+            self.linear = LinearState(b["linear_conv"], b["linear_recurrent"], window,
                                       self.config.linear_conv_kernel - 1, p["linear_rollback"], b.get("linear_journal"))
         self.expert_counts = {}  # MoE: expert-cache counters at the end of the last cycle (or prefill)
         if self.config.moe_layers:
@@ -199,19 +209,21 @@ class Target(Node):
                 and not self.config.moe_layers):
             from draftflow.plugins.target.graphs import GraphRunner
 
-            self.runner = GraphRunner(self.model, self.cache, ctx.num_draft + 1, self.taps or (), linear=self.linear)
+            self.runner = GraphRunner(self.model, self.cache, window, self.taps or (), linear=self.linear,
+                                      features=self.features)
 
     @torch.inference_mode()
     def warmup(self) -> None:
         """Load CUDA libraries and kernels with a short eager window, then capture the decode and verify graphs."""
         if torch.device(self.ctx.device).type != "cuda" or self.model.expert_cache is not None:
             return  # MoE: an eager window would move experts and counters before the first request
-        # Never committed: writes cells past the committed length and linear-state candidate slots only
-        # (the next prefill resets the linear state's open window).
-        start = self.cache.length
-        ids = torch.zeros(1, min(16, self.cache.capacity - start), dtype=torch.long, device=self.ctx.device)
+        # Never committed: writes slot 0's cells past its committed length and linear-state candidate slots only
+        # (the next prefill resets the linear state's open window). Larger batch buckets are captured on first use.
+        cache, linear = self._slot(0)
+        start = cache.length
+        ids = torch.zeros(1, min(16, cache.capacity - start), dtype=torch.long, device=self.ctx.device)
         if ids.shape[1]:
-            self.model(ids, start, self.cache, logit_rows=1, linear=self.linear)
+            self.model(ids, start, cache, logit_rows=1, linear=linear)
         if self.runner is not None and self.ctx.params["warmup_tokens"]:
             self.runner.prepare((1, self.ctx.num_draft + 1), self.ctx.params["warmup_tokens"])
         torch.cuda.synchronize()
@@ -241,55 +253,72 @@ class Target(Node):
         self.expert_counts = now
         return delta
 
-    def _forward(self, tokens: torch.Tensor, start: int, logit_rows):
-        # tokens: [1, T]
-        logits, taps = self.model(tokens, start, self.cache, logit_rows=logit_rows, tap_layers=self.taps,
-                                  linear=self.linear)
-        if taps is not None:
-            self.features[:, start:start + tokens.shape[1]] = taps
-        return logits  # [1, R, V]
+    def _slot(self, slot: int) -> tuple[KVCache, LinearState | None]:
+        """Slot `slot`'s rows of the KV cache and the linear state (views: same storage, same lengths)."""
+        return self.cache.rows(slot, slot + 1), self.linear.rows(slot, slot + 1) if self.linear is not None else None
 
     @torch.inference_mode()
     def prefill(self, req):
         context = req.tokens[:-1]  # the anchor is fed with the first verify window
-        self.cache.crop(0)
-        if self.linear is not None:
-            self.linear.reset()
+        s = req.slot
+        cache, linear = self._slot(s)
+        cache.crop(0)
+        if linear is not None:
+            linear.reset()
         chunk = self.ctx.params["prefill_chunk"]
         ids = torch.tensor([context], dtype=torch.long, device=self.ctx.device)  # [1, P-1]
         for start in range(0, len(context), chunk):
-            self._forward(ids[:, start:start + chunk], start, 0)
-            self._commit(min(start + chunk, len(context)))
+            window = ids[:, start:start + chunk]
+            _, taps = self.model(window, start, cache, logit_rows=0, tap_layers=self.taps, linear=linear)
+            if taps is not None:
+                self.features[s:s + 1, start:start + window.shape[1]] = taps
+            end = min(start + chunk, len(context))
+            cache.commit(end)
+            if linear is not None:
+                linear.commit(end)
         if self.model.expert_cache is not None:  # cycle 0 reports its own window, not the prompt's
             self.expert_counts = self.model.expert_cache.counters()
-        return {"features": Features(self.features[:, :len(context)], 0)} if self.taps else {}
+        return {"features": Features(self.features[s:s + 1, :len(context)], 0)} if self.taps else {}
 
     @torch.inference_mode()
-    def step(self, req, inputs):
+    def step(self, batch, inputs):
+        """Verify row b's window [anchor_b, drafts_b] at position_b for every row; pad rows run at their slot's
+        committed length (any valid token) and leave it unchanged."""
         proposal = inputs.get("proposal")
-        drafts = proposal.tokens if proposal is not None and proposal.tokens.shape[1] else None  # [1, K]
-        if self.runner is not None and 1 + (0 if drafts is None else drafts.shape[1]) <= self.runner.max_window:
-            # The anchor and start go in as kernel arguments: no host-to-device copy, no sync.
-            logits, taps = self.runner(req.anchor, drafts, req.position)  # [1, K+1, V], [1, K+1, n*H]
-            if taps is not None:
-                self.features[:, req.position:req.position + logits.shape[1]] = taps
+        n = batch.size
+        drafts = proposal.tokens if proposal is not None and proposal.tokens.shape[1] else None  # [n, K]
+        w = 1 + (0 if drafts is None else drafts.shape[1])
+        lengths = self.cache.lengths
+        anchors = [r.anchor if r is not None else 0 for r in batch.rows]
+        starts = [r.position if r is not None else lengths[i] for i, r in enumerate(batch.rows)]
+        if self.runner is not None and w <= self.runner.max_window:
+            logits, _ = self.runner.step(anchors, drafts, starts)  # [n, W, V]; taps written to the features
             return {"logits": TargetOutput(logits)}
-        anchor = torch.tensor([[req.anchor]], dtype=torch.long, device=self.ctx.device)  # [1, 1]
-        window = anchor if proposal is None else torch.cat([anchor, proposal.tokens], dim=1)  # [1, K+1]
-        logits = self._forward(window, req.position, None)  # [1, K+1, V]
+        anchor = torch.tensor(anchors, dtype=torch.long, device=self.ctx.device)[:, None]  # [n, 1]
+        window = anchor if drafts is None else torch.cat([anchor, drafts], dim=1)  # [n, W]
+        linear = self.linear.rows(0, n) if self.linear is not None else None
+        logits, taps = self.model(window, starts[0] if n == 1 else starts, self.cache.rows(0, n), tap_layers=self.taps,
+                                  linear=linear)  # [n, W, V]
+        if taps is not None:
+            if n == 1:
+                self.features[:1, starts[0]:starts[0] + w] = taps
+            else:
+                positions = torch.tensor(starts, device=taps.device)[:, None] + torch.arange(w, device=taps.device)
+                self.features[:n].index_put_((torch.arange(n, device=taps.device)[:, None], positions), taps)
         return {"logits": TargetOutput(logits)}
 
-    def _commit(self, length: int) -> None:
-        self.cache.commit(length)
-        if self.linear is not None:  # select the state after the last accepted token (or replay to it)
-            self.linear.commit(length)
-
     def commit(self, req, info):
-        # Rejected cells stay in the cache but past its length; the next window overwrites them.
-        self._commit(len(req.tokens) - 1)
+        # Rejected cells stay in the slot's rows but past its length; the next window overwrites them.
+        s, length = req.slot, len(req.tokens) - 1
+        self.cache.commit(length, row=s)
+        if self.linear is not None:  # select the state after the last accepted token (or replay to it)
+            self.linear.commit(length, row=s)
         if self.taps:
-            return {"features": Features(self.features[:, info.position:len(req.tokens) - 1], info.position)}
+            return {"features": Features(self.features[s:s + 1, info.position:length], info.position)}
         return {}
+
+    def release(self, req):
+        """Nothing to free: the slot's rows are reset by the next prefill into it."""
 
 
 @hookimpl

@@ -146,7 +146,8 @@ def _run_graph(path, device, dtype, oracle=None, swap_runner=None, cuda_graphs=T
     ex = Executor(plan, hook=registry.pm.hook)
     if swap_runner is not None:
         target = ex.nodes["target"]
-        target.runner = GraphRunner(target.model, target.cache, 5, target.taps or (), **swap_runner)
+        target.runner = GraphRunner(target.model, target.cache, 5, target.taps or (), features=target.features,
+                                    **swap_runner)
     return ex, ex.generate(PROMPT, SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
@@ -178,7 +179,7 @@ def test_captured_graphs_match_eager_on_cuda(hf_dir, arch, compiled, triton):
                            min_bucket=8),
                       taps=(0, 1), tol=1e-4)
     assert (runner.kernels.prologue is not None) == triton and (runner.kernels.split_attention is not None) == triton
-    assert len({bucket for _, bucket in runner.graphs}) > 1  # windows crossed a bucket boundary
+    assert len({bucket for _, _, bucket in runner.graphs}) > 1  # windows crossed a bucket boundary
 
 
 @needs_cuda
@@ -191,7 +192,7 @@ def test_split_attention_over_a_long_cache_on_cuda(hf_dir, dtype):
     fp32 = dtype == torch.float32
     runner = _compare(loaded.model, loaded.config, "cuda", dtype, dict(capture=True, min_bucket=64), capacity=512,
                       prompt=prompt, tol=1e-4 if fp32 else 3e-2, rel=not fp32)
-    assert runner.kernels.split_attention is not None and {bucket for _, bucket in runner.graphs} == {256}
+    assert runner.kernels.split_attention is not None and {bucket for _, _, bucket in runner.graphs} == {256}
 
 
 @needs_cuda

@@ -92,7 +92,7 @@ def _generate(path, oracle=None, cuda_graphs=True, n=40):
     warm = set(runner.graphs) if runner is not None else set()
     result = ex.generate(PROMPT, SamplingParams(max_new_tokens=n, ignore_eos=True))
     if runner is not None:  # warm-up captured the decode and full verify windows; shorter final windows come lazily
-        assert {w for w, _ in warm} == {1, 5} and warm <= set(runner.graphs)
+        assert {(b, w) for b, w, _ in warm} == {(1, 1), (1, 5)} and warm <= set(runner.graphs)
         assert oracle is not None or set(runner.graphs) == warm
     return ex, result
 
