@@ -7,6 +7,12 @@ own KV cache at positions i. The last pair's argmax is draft 1; drafts 2..K chai
 on its own output hidden, writing KV past the committed length (overwritten next cycle,
 so a rejection needs no rollback). Drafts are argmax, so q is one-hot.
 
+Each request slot has its own row of the head's KV cache (``mtp_kv`` is ``[1, 2, batch,
+kv_tokens + K, KVH, D]``: the K slack cells take the chained drafts past a full context)
+and its own carried features. A batched cycle runs the head row by row for now (one
+catch-up and one K-step chain per stepped request) and sends one padded ``[n, K']``
+proposal; pad rows propose token 0 and touch no cache row.
+
 The target must tap its last layer (``tap_layers`` includes num_layers-1; that tap is
 post-norm, as the MTP equations want); a check says so before anything is allocated.
 """
@@ -18,7 +24,7 @@ import torch
 from draftflow.plugin import (
     EMBED_BUFFER,
     HEAD_BUFFER,
-    KV_TOKENS,
+    BATCH,
     TARGET_HANDLE,
     BufferSpec,
     DraftflowError,
@@ -31,6 +37,7 @@ from draftflow.plugin import (
     Proposal,
     Vram,
     hookimpl,
+    kv_dim,
     target_info,
     wrong_target_check,
 )
@@ -60,8 +67,8 @@ def manifest(params, env) -> Manifest:
         role="drafter",
         inputs=(Port("features", "features", carried=True, doc="target taps incl. the last layer (post-norm hidden)"),),
         outputs=(Port("proposal", "proposal", doc="K argmax drafts, probs None"),),
-        owns=(BufferSpec("mtp_kv", (1, 2, 1, KV_TOKENS, cfg.num_kv_heads, cfg.head_dim), env.dtype,
-                         doc="K and V of the MTP block, addressed by pair position i"),),
+        owns=(BufferSpec("mtp_kv", (1, 2, BATCH, kv_dim(env.num_draft), cfg.num_kv_heads, cfg.head_dim), env.dtype,
+                         doc="K and V of the MTP block per request slot, addressed by pair position i"),),
         vram=Vram(weights=ckpt.nbytes(dtype), scratch=scratch),
         reads=(EMBED_BUFFER, HEAD_BUFFER),
         requires={"target.features", TARGET_HANDLE},
@@ -74,7 +81,8 @@ class Mtp(Node):
         p = ctx.params
         self.ckpt = find_mtp(p["path"], p["config"], p["layout"])
         self.head = load_head(self.ckpt, ctx.device, ctx.dtype).eval()
-        self.cache = KVCache.from_static(ctx.buffers["mtp_kv"])
+        kv = ctx.buffers["mtp_kv"]  # [1, 2, max_batch, kv_tokens + K, KVH, D]
+        self.caches = [KVCache.from_static(kv[:, :, s:s + 1]) for s in range(kv.shape[2])]  # one per request slot
         self.chunk = p["prefill_chunk"]
         self.tap = None  # slice of the target's features holding the last layer
         self._bind()
@@ -100,32 +108,46 @@ class Mtp(Node):
 
     @torch.inference_mode()
     def prefill(self, req):
-        self.cache.crop(0)
+        self.caches[req.slot].crop(0)
         return {}
 
+    def release(self, req):
+        self.caches[req.slot].crop(0)
+
     @torch.inference_mode()
-    def step(self, req, inputs):
-        f = inputs["features"]  # Features: hidden [1, T, n_taps*H] for positions start..start+T-1
-        k = req.num_draft
-        if self.cache.length != f.start:  # the features must continue exactly where the last cycle's pairs ended
-            raise DraftflowError(f"mtp: features start at {f.start} but the MTP cache holds {self.cache.length} pairs; "
+    def step(self, batch, inputs):
+        features = inputs["features"]  # carried: row i's Features, hidden [1, T, n_taps*H] at start..start+T-1
+        rows = {i: self._draft(req, features[i]) for i, req in batch.active()}
+        width = max((d.shape[1] for d in rows.values()), default=0)
+        tokens = torch.zeros((batch.size, width), dtype=torch.long, device=self.ctx.device)  # [n, K']: pad rows 0
+        for i, drafts in rows.items():
+            tokens[i, :drafts.shape[1]] = drafts[0]
+        lengths = None
+        if any(d.shape[1] != width for d in rows.values()):
+            lengths = torch.tensor([rows[i].shape[1] if i in rows else 0 for i in range(batch.size)]).to(self.ctx.device)
+        return {"proposal": Proposal(tokens, lengths=lengths)}  # tokens: [n, K']
+
+    def _draft(self, req, f) -> torch.Tensor:  # [1, k] int64, k = req.num_draft (0 before the first pair)
+        """Catch slot ``req.slot`` up on the features' pairs, then chain the head ``req.num_draft`` times."""
+        cache, k = self.caches[req.slot], req.num_draft
+        if cache.length != f.start:  # the features must continue exactly where the last cycle's pairs ended
+            raise DraftflowError(f"mtp: features start at {f.start} but the MTP cache holds {cache.length} pairs; "
                                  "feed mtp.features from the target's carried features output")
         t = f.hidden.shape[1]
         ids = torch.tensor([req.tokens[f.start + 1:f.start + t + 1]], dtype=torch.long, device=self.ctx.device)  # [1, T]
         hidden = f.hidden[..., self.tap]  # [1, T, H]
         logits = None  # a one-token prompt has no (t_{i+1}, h_i) pair yet: no drafts this cycle
         for s in range(0, t, self.chunk):
-            logits, out = self.head(ids[:, s:s + self.chunk], hidden[:, s:s + self.chunk], f.start + s, self.cache)
-            self.cache.commit(f.start + min(s + self.chunk, t))
+            logits, out = self.head(ids[:, s:s + self.chunk], hidden[:, s:s + self.chunk], f.start + s, cache)
+            cache.commit(f.start + min(s + self.chunk, t))
         drafts = []
         pos = f.start + t  # next pair: (draft 1, its hidden) at this position
         for j in range(k if logits is not None else 0):
             tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
             drafts.append(tok)
             if j + 1 < k:
-                logits, out = self.head(tok, out, pos + j, self.cache)
-        tokens = torch.cat(drafts, dim=1) if drafts else torch.empty((1, 0), dtype=torch.long, device=self.ctx.device)
-        return {"proposal": Proposal(tokens)}  # tokens: [1, K]
+                logits, out = self.head(tok, out, pos + j, cache)
+        return torch.cat(drafts, dim=1) if drafts else torch.empty((1, 0), dtype=torch.long, device=self.ctx.device)
 
 
 def _trained_for(params) -> dict:

@@ -61,9 +61,9 @@ def test_node_drafts_equal_reference_on_target_hidden(random_dirs, layout):
     seen = []
     step = ex.nodes["mtp"].step
 
-    def recording(req, inputs):
-        out = step(req, inputs)
-        seen.append((req.position, out["proposal"].tokens[0].tolist()))
+    def recording(batch, inputs):
+        out = step(batch, inputs)
+        seen.append((batch.rows[0].position, out["proposal"].tokens[0].tolist()))
         return out
 
     ex.nodes["mtp"].step = recording
