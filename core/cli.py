@@ -169,7 +169,7 @@ class _Printer:
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], echo: str, stream: bool):
-        from draftflow.core.serving import StopScanner
+        from draftflow.core.stop_strings import StopScanner
 
         if tokenizer is None:  # ids only: the prompt ids, then each new id, space-separated
             decode = lambda ids: "".join(f" {t}" for t in ids)  # noqa: E731
