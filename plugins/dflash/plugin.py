@@ -6,6 +6,13 @@ embedding, runs the block and reads K drafts through the target's LM head. The c
 then cropped back to the anchor's position, so it always describes `req.tokens[:-1]`,
 the same state contract as the target's KV cache.
 
+Requests live in slots (the cache has a row per slot plus a block's worth of slack cells past
+each context). A cycle of one request (slot 0) runs the batch-1 forward on exact shapes; a
+cycle of B slots ingests each row's new rows (a long prompt first alone, in chunks) and runs
+ONE block pass over all B anchors, each row at its own positions and seeing only its own
+first k+1 block rows, so row i drafts what it drafts alone (`proposals` picks per row).
+Pad rows draft junk past their slot's context and commit nothing.
+
 The target's embedding and LM head are declared reads (`target_embed`, `target_head`) of
 buffers the target owns; the executor builds the target first and hands them over.
 
@@ -43,11 +50,11 @@ from draftflow.plugin import (
 )
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.processors import LogitProcessor
-from draftflow.layers.sampling import filter_logits, sample
 from draftflow.plugins.dflash.config import kv_shape, weight_bytes
 from draftflow.plugins.dflash.graphs import DraftRunner
 from draftflow.plugins.dflash.loader import load_drafter, read_config
 from draftflow.plugins.dflash.model import draft_logits
+from draftflow.plugins.dflash.proposals import RowProposals
 
 PARAMS = (
     ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),
@@ -90,7 +97,7 @@ def grammar_compiler(handle):
     return GrammarCompiler(handle.hf_tokenizer, handle.vocab_size, tuple(handle.eos_ids))
 
 
-class DFlash(Node):
+class DFlash(RowProposals, Node):
     KIND = "dflash"  # the node type named in messages (subclasses reuse the block forward)
     GRAMMAR_DRAFTS = True  # mask the drafts with the request's grammar (DFlash2's candidates go to a selector instead)
 
@@ -289,21 +296,6 @@ class DFlash(Node):
         if runner is not None:
             runner.warmup()
 
-    def processed(self, batch, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's logits after its request's penalties and bias (committed prefix only): higher acceptance."""
-        # logits: [B, K, V]; returns [B, K, V] (the same tensor when no row has processors)
-        out = logits
-        for i, req in batch.active():
-            if req.sampling.has_processors:
-                proc = self.processors[i] = LogitProcessor.follow(self.processors.get(i), req, logits.shape[-1],
-                                                                  logits.device)
-                if batch.size == 1:
-                    return proc.process(logits)
-                if out is logits:
-                    out = logits.clone()
-                out[i:i + 1] = proc.process(logits[i:i + 1])
-        return out
-
     @torch.inference_mode()
     def step(self, batch, inputs):
         drafted = self.draft_block(batch, inputs)
@@ -314,69 +306,6 @@ class DFlash(Node):
         if batch.size == 1:
             return {"proposal": self._row_proposal(batch.rows[0], logits)}
         return {"proposal": self._batch_proposal(batch, logits, widths)}
-
-    def _row_proposal(self, req, logits: torch.Tensor) -> Proposal:
-        """One request's drafts from its K rows: grammar-masked, argmax (T = 0) or drawn from the filtered q."""
-        # logits: [1, k, V] processed
-        s = req.sampling
-        if req.slot in self.matchers:
-            return self._grammar_proposal(req, logits)
-        if s.temperature == 0:
-            return Proposal(logits.argmax(dim=-1))
-        q = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)  # [1, K, V]: the q the drafts come from
-        return Proposal(sample(q, generator=req.generator), probs=q)
-
-    def _batch_proposal(self, batch, logits: torch.Tensor, widths: list[int]) -> Proposal:
-        """Every row's drafts as that row alone would draw them (its own K, generator and grammar), in one Proposal:
-        the argmax for greedy rows and padding, q one-hot there when some row sampled."""
-        # logits: [B, K, V] processed; widths: drafts per row
-        tokens = logits.argmax(dim=-1)  # [B, K]
-        lengths, sampled = list(widths), []
-        for i, req in batch.active():
-            k = widths[i]
-            if k == 0 or (req.sampling.temperature == 0 and req.slot not in self.matchers):
-                continue
-            row = self._row_proposal(req, logits[i:i + 1, :k])
-            lengths[i] = row.tokens.shape[1]
-            tokens[i, :lengths[i]] = row.tokens[0]
-            if row.probs is not None:
-                sampled.append((i, row.probs[0]))
-        probs = None
-        if sampled:
-            probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [B, K, V]
-            probs.scatter_(-1, tokens[..., None], 1.0)
-            for i, q in sampled:
-                probs[i, :q.shape[0]] = q
-        return Proposal(tokens, probs=probs, lengths=torch.tensor(lengths, dtype=torch.long).to(logits.device))
-
-    def _grammar_proposal(self, req, logits: torch.Tensor) -> Proposal:
-        """Drafts picked one row at a time, row j masked by the grammar after the committed tokens and drafts[:j]:
-        the masked argmax (T = 0) or a draw from the masked, filtered q (T > 0), which the Proposal carries.
-        Drafting stops after an EOS draft (the output ends there)."""
-        # logits: [1, K, V] processed (penalties, bias)
-        s = req.sampling
-        rows = logits[0].float().cpu()  # [K, V]: the row's one host sync, all its draft rows at once
-        vocab = rows.shape[-1]
-        mask = torch.zeros(vocab, dtype=torch.bool)  # [V]
-        probs = []  # [V] per draft
-        generator = self.host_generators[req.slot]
-
-        def choose(j: int, allowed: torch.Tensor) -> int:  # allowed: [V_grammar] bool, after drafts[:j]
-            width = min(vocab, allowed.shape[0])
-            mask[:width] = allowed[:width]
-            row = rows[j].masked_fill(~mask, float("-inf"))  # [V]
-            if s.temperature == 0:
-                return int(row.argmax())
-            q = filter_logits(row, s.temperature, s.top_k, s.top_p, s.min_p)  # [V]
-            probs.append(q)
-            return int(sample(q, generator=generator))
-
-        drafts = self.matchers[req.slot].walk(choose, rows.shape[0])
-        device = self.ctx.device
-        tokens = torch.tensor([drafts], dtype=torch.long).to(device, non_blocking=True)  # [1, K']
-        if not probs:
-            return Proposal(tokens)
-        return Proposal(tokens, probs=torch.stack(probs)[None].to(device, non_blocking=True))  # [1, K', V]
 
     def commit(self, req, info):
         # Block K/V were never committed; the next step's features start exactly at the slot's length.
