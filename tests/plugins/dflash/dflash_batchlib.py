@@ -17,9 +17,10 @@ PROMPTS = [[3, 4, 5, 6], [10, 11], [7] * 9 + [8, 9, 12, 13, 14, 15, 16, 17, 18],
 BUDGETS = [20, 9, 14, 17]
 
 
-def executor(graph, max_batch: int, runner=None) -> Executor:
+def executor(graph, max_batch: int, runner=None, device: str = "cpu") -> Executor:
     """An executor of `graph` with `max_batch` slots; `runner(node)` replaces the drafter's proposal path."""
-    ex = Executor(build_plan(load_graph(graph, [f"max_batch={max_batch}"]), load_registry()))
+    overrides = [f"max_batch={max_batch}"] + ([f"device={device}"] if device != "cpu" else [])
+    ex = Executor(build_plan(load_graph(graph, overrides), load_registry()))
     if runner is not None:
         node = ex.nodes["drafter"]
         node._runner = lambda: runner(node)

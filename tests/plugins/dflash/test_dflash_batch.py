@@ -124,3 +124,17 @@ def test_cache_has_a_row_per_slot_and_block_slack(graph):
     node = ex.nodes["drafter"]
     assert node.slots.shape[2] == 4 and node.slots.shape[3] == ex.kv_tokens + BLOCK
     assert len(node.caches) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_batched_graphs_draft_what_eager_drafts_on_cuda(graph):
+    """On CUDA the batch-bucket graphs (captured at first use) give the eager batched pass's rows and tokens."""
+    eager_ex, graph_ex = executor(graph, 4, lambda node: None, device="cuda"), executor(graph, 4, device="cuda")
+    want_rows, got_rows = record(eager_ex), record(graph_ex)
+    work = greedy_work()
+    assert run_together(graph_ex, work) == run_together(eager_ex, work)
+    for key, (w, _) in want_rows.items():
+        torch.testing.assert_close(got_rows[key][0], w, atol=1e-4, rtol=1e-4)
+    keys = set(graph_ex.nodes["drafter"].runner.graphs)
+    assert any(b > 1 for b, _, _ in keys), keys
