@@ -155,3 +155,69 @@ def test_batched_rows_sample_their_own_distributions_independently():
     assert chi_square_pvalue(pairs.flatten(), torch.outer(exact[0], exact[1]).flatten()) > 1e-3
     # The test has power: row 3 (T=2) does not follow row 0's distribution (T=0.7 over other logits).
     assert chi_square_pvalue(counts[3], exact[0]) < 1e-6
+
+
+def loop_executor(path, max_batch: int):
+    """The tiny target + an oracle drafter (drafts every cycle, some accepted) + verifier, with request slots."""
+    from draftflow.core.executor import Executor
+    from draftflow.core.plan import build_plan
+    from draftflow.core.registry import load_registry
+    from draftflow.core.spec import GraphSpec
+
+    spec = GraphSpec.from_dict({"num_draft": 2, "max_batch": max_batch, "nodes": {
+        "target": {"plugin": "target", "params": {"path": str(path)}},
+        "oracle": {"plugin": "oracle", "params": {"reference": [(3 * i) % 6 for i in range(8)]}},
+        "verify": {"plugin": "verifier"}}})
+    return Executor(build_plan(spec, load_registry(autoload=False)))
+
+
+def run_together(ex, requests, late=(), after: int = 0):
+    """Tokens of ``requests`` + ``late`` stepped together; the late ones join after ``after`` cycles."""
+    states = [ex.start(p, s) for p, s in requests]
+    for cycle in range(10**6):
+        if cycle == after:
+            states += [ex.start(p, s) for p, s in late]
+        live = [s for s in states if s.finish_reason is None]
+        if not live and cycle >= after:
+            break
+        if live:
+            ex.step(live)
+    return [ex.finish(s).token_ids for s in states]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_loop_distribution import tiny_target
+
+    return tiny_target(tmp_path_factory.mktemp("batch") / "t")
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_seeded_requests_repeat_whatever_else_is_batched(tiny, seed):
+    """A seeded T>0 request gives the same tokens alone and batched with greedy, processed and other seeded requests."""
+    ex = loop_executor(tiny, 4)
+    mine = ([1, 4, 2], SamplingParams(temperature=3.0, seed=seed, max_new_tokens=12, ignore_eos=True))
+    alone = ex.generate(*mine).token_ids
+    others = [([3], SamplingParams(max_new_tokens=5, ignore_eos=True)),
+              ([2, 2, 5, 1], SamplingParams(temperature=0.7, seed=3, max_new_tokens=9, ignore_eos=True, logprobs=2)),
+              ([0, 1], SamplingParams(temperature=1.0, repetition_penalty=1.5, max_new_tokens=20, ignore_eos=True))]
+    assert run_together(ex, [others[0], mine, others[1]])[1] == alone
+    assert run_together(ex, [others[2], others[1], others[0], mine])[3] == alone
+    # Companions joining later still draft while this request's oracle has run out (ragged proposal lengths).
+    assert run_together(ex, [mine], late=others, after=3)[0] == alone
+
+
+@pytest.mark.slow
+def test_batched_loop_samples_the_target_distribution(tiny):
+    """chi-square through the whole loop at batch 4: every request's first two tokens follow target-only sampling."""
+    from test_loop_distribution import PROMPT, T, VOCAB, exact_joint
+
+    joint = exact_joint(tiny)
+    ex = loop_executor(tiny, 4)
+    counts = torch.zeros(VOCAB * VOCAB)
+    runs = 2000
+    for first in range(0, runs, 4):
+        batch = [(PROMPT, SamplingParams(temperature=T, seed=first + j, max_new_tokens=2, ignore_eos=True)) for j in range(4)]
+        for tokens in run_together(ex, batch):
+            counts[tokens[0] * VOCAB + tokens[1]] += 1
+    assert chi_square_pvalue(counts, joint.flatten()) > 1e-3
