@@ -5,7 +5,9 @@ cells, later ones masked. Eager forwards (prefill chunks, CPU, training) know th
 on the host and read the exact prefix (`keys = start + T`); captured forwards hold the
 start in a device tensor and read a fixed prefix, a *bucket* (`bucket_for`), so shapes
 depend only on (T, bucket) and one CUDA graph per pair serves every cycle. `Window`
-carries both forms; the same layer code runs either way.
+carries both forms; the same layer code runs either way. In a batch each row may start
+at its own position (positions [B, T]): keys are the longest row's prefix and each row
+masks the cells past its own positions.
 
 Backends: `attend` is SDPA (the plain kernel when no mask is needed, else the
 memory-efficient kernel with the query groups folded into rows, `attend_prefix`);

@@ -15,6 +15,11 @@ Longer windows (prefill chunks) keep only their final state in slot 1 and must b
 committed whole. Forward passes never touch slot 0 or the tape's committed part, so a
 window that is never committed (a probe, a rejected window) leaves no trace.
 
+Every tensor has a batch dimension, one row per request slot, with its own committed
+length and open window; `rows(a, b)` views a range of slots (a prefill, a batched step).
+A pad row of a batch writes only candidate slots and the tape past the committed inputs,
+so like a rejected window it leaves its slot's committed state as it was.
+
 `mode="replay"` is the measured alternative (docs/HYBRID.md has the numbers): windows
 journal the per-token recurrence inputs (k, v, g, beta) instead of states, and commit
 re-runs the n accepted steps from slot 0. It keeps 2 state slots instead of 1+W.
