@@ -73,3 +73,24 @@ def test_full_width_inputs_pass_unchanged():
     node = mixer("first-nonempty", 1)
     assert node.step(rows(), {"a": a, "b": b})["proposal"] is b
     assert node.chosen == [0, 4]
+
+
+def test_batched_mtp_and_lookup_graph_equals_each_request_alone(mtp_dirs):
+    """The MTP + lookup + mixer graph at batch 3: every greedy request gives exactly its lone output."""
+    from test_mixer import GRAPH, REPETITIVE, overrides
+
+    from draftflow.core.executor import Executor
+    from draftflow.core.plan import build_plan
+    from draftflow.core.registry import load_registry
+    from draftflow.core.spec import load_graph
+
+    ex = Executor(build_plan(load_graph(GRAPH, overrides(mtp_dirs) + ["max_batch=3"]), load_registry()))
+    requests = [(REPETITIVE, 30), ([40, 41, 42], 17), (REPETITIVE[2:] + [40, 41], 24)]
+    alone = [ex.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True)).token_ids for p, n in requests]
+    states = [ex.start(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in requests]
+    while any(s.finish_reason is None for s in states):
+        ex.step([s for s in states if s.finish_reason is None])
+    together = [ex.finish(s) for s in states]
+    assert [r.token_ids for r in together] == alone
+    assert sum(r.stats["accepted"] for r in together) > 0
+    assert all(ex.nodes["mix"].chosen)  # both drafters were chosen for some rows
