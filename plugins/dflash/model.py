@@ -313,7 +313,9 @@ def _finish(conv, y: torch.Tensor, state) -> torch.Tensor:
 def draft_logits(hidden: torch.Tensor, head_weight: torch.Tensor, cfg: DFlashConfig) -> torch.Tensor:
     """Target LM head on the draft rows, then z-lab's optional multiplier and softcap (float32)."""
     # hidden: [B, K, H]; head_weight: [V, H]; returns [B, K, V]
-    logits = F.linear(hidden, head_weight).float()
+    # As one [B*K, H] matmul: a strided 3-D input (the block's rows 1..K of several slots) would go to a
+    # batched matmul over the head expanded per slot, reading the whole head once per slot.
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), head_weight).view(*hidden.shape[:-1], -1).float()
     if cfg.output_multiplier != 1.0:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping:
