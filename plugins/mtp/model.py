@@ -22,6 +22,7 @@ from torch import nn
 from draftflow.plugins.mtp.weights import block_config, read_state
 from draftflow.layers.config import TargetConfig
 from draftflow.layers.expert_cache import ExpertCache
+from draftflow.layers.attention import Window
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.decoder import DecoderLayer
 from draftflow.layers.norm import RMSNorm
@@ -74,30 +75,33 @@ class MtpHead(nn.Module):
 
     def forward(
         self,
-        tokens: torch.Tensor,  # [1, T] int64: t_{i+1}
-        hidden: torch.Tensor,  # [1, T, H]: h_i (target) or the previous step's output
-        start_pos: int,  # position i of the first pair
-        cache: KVCache,
+        tokens: torch.Tensor,  # [B, T] int64: t_{i+1}
+        hidden: torch.Tensor,  # [B, T, H]: h_i (target) or the previous step's output
+        start_pos: int | list[int],  # position i of each row's first pair (one int: every row)
+        cache: KVCache,  # B rows (a `rows` view of the per-slot cache)
         last_only: bool = True,
+        last_rows: torch.Tensor | None = None,  # [B] int64: the one pair per row to score (ragged rows)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (logits [1, R, V] float32, next hidden [1, R, H]); R = 1 if last_only else T."""
-        t = tokens.shape[1]
-        cache.ensure(start_pos + t)
-        pos = torch.arange(start_pos, start_pos + t, device=tokens.device)  # [T]
-        e = F.embedding(tokens, self.embed)  # [1, T, H]
-        cos, sin = rope_tables(self.inv_freq, pos, e.dtype)  # [T, 1, D] each
-        mask = None  # causal from 0, or a single row that sees everything before it
-        if start_pos > 0 and t > 1:
-            mask = torch.arange(start_pos + t, device=tokens.device)[None, :] <= pos[:, None]  # [T, S]
-        x = self.proj(torch.cat([self.norm_e(e), self.norm_h(hidden.to(e.dtype))], dim=-1))  # [1, T, H]
+        """Return (logits [B, R, V] float32, next hidden [B, R, H]); R = 1 if last_only or last_rows, else T."""
+        b, t = tokens.shape
+        starts = [start_pos] * b if isinstance(start_pos, int) else list(start_pos)
+        cache.ensure(max(starts) + t)
+        window = Window.rows(starts, t, tokens.device)  # one start: the exact prefix, causal from 0 or one token
+        e = F.embedding(tokens, self.embed)  # [B, T, H]
+        cos, sin = rope_tables(self.inv_freq, window.positions.reshape(-1), e.dtype)  # [T or B*T, 1, D] each
+        if window.per_row:
+            cos, sin = cos.view(b, t, 1, -1), sin.view(b, t, 1, -1)
+        x = self.proj(torch.cat([self.norm_e(e), self.norm_h(hidden.to(e.dtype))], dim=-1))  # [B, T, H]
         blk = self.block
-        x = x + blk.self_attn(blk.input_layernorm(x), cos, sin, cache, 0, start_pos, mask)
+        x = x + blk.self_attn(blk.input_layernorm(x), cos, sin, cache, 0, window=window)
         x = x + blk.mlp(blk.post_attention_layernorm(x))
-        if last_only:
+        if last_rows is not None:
+            x = x.gather(1, last_rows[:, None, None].expand(-1, 1, x.shape[-1]))  # [B, 1, H]
+        elif last_only:
             x = x[:, -1:]
         normed = self.out_norm(x)
         head = self.shared_head if self.layout == "qwen3-next" else self.head.weight
-        logits = F.linear(normed, head).float()  # [1, R, V]
+        logits = F.linear(normed, head).float()  # [B, R, V]
         return logits, (normed if self.layout == "qwen3-next" else x)
 
 

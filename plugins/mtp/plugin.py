@@ -8,10 +8,13 @@ on its own output hidden, writing KV past the committed length (overwritten next
 so a rejection needs no rollback). Drafts are argmax, so q is one-hot.
 
 Each request slot has its own row of the head's KV cache (``mtp_kv`` is ``[1, 2, batch,
-kv_tokens + K, KVH, D]``: the K slack cells take the chained drafts past a full context)
-and its own carried features. A batched cycle runs the head row by row for now (one
-catch-up and one K-step chain per stepped request) and sends one padded ``[n, K']``
-proposal; pad rows propose token 0 and touch no cache row.
+kv_tokens + K, KVH, D]``) and its own carried features. A batched cycle catches every row
+up in one forward (rows padded to the longest run of new pairs, at most K + 1; a run
+longer than that, a joining request's prompt, goes alone in chunks first), then chains
+the head K - 1 times over all n rows at per-row positions. Pad rows and padding pairs
+only write cells past their slot's committed pairs (at most K past it: the slack cells),
+which the next catch-up overwrites; the proposal is ``[n, K']`` with per-row lengths when
+rows want different K.
 
 The target must tap its last layer (``tap_layers`` includes num_layers-1; that tap is
 post-norm, as the MTP equations want); a check says so before anything is allocated.
@@ -81,8 +84,7 @@ class Mtp(Node):
         p = ctx.params
         self.ckpt = find_mtp(p["path"], p["config"], p["layout"])
         self.head = load_head(self.ckpt, ctx.device, ctx.dtype).eval()
-        kv = ctx.buffers["mtp_kv"]  # [1, 2, max_batch, kv_tokens + K, KVH, D]
-        self.caches = [KVCache.from_static(kv[:, :, s:s + 1]) for s in range(kv.shape[2])]  # one per request slot
+        self.cache = KVCache.from_static(ctx.buffers["mtp_kv"])  # [1, 2, max_batch, kv_tokens + K, KVH, D], row = slot
         self.chunk = p["prefill_chunk"]
         self.tap = None  # slice of the target's features holding the last layer
         self._bind()
@@ -108,46 +110,96 @@ class Mtp(Node):
 
     @torch.inference_mode()
     def prefill(self, req):
-        self.caches[req.slot].crop(0)
+        self.cache.crop(0, row=req.slot)
         return {}
 
     def release(self, req):
-        self.caches[req.slot].crop(0)
+        self.cache.crop(0, row=req.slot)
 
     @torch.inference_mode()
     def step(self, batch, inputs):
         features = inputs["features"]  # carried: row i's Features, hidden [1, T, n_taps*H] at start..start+T-1
-        rows = {i: self._draft(req, features[i]) for i, req in batch.active()}
-        width = max((d.shape[1] for d in rows.values()), default=0)
-        tokens = torch.zeros((batch.size, width), dtype=torch.long, device=self.ctx.device)  # [n, K']: pad rows 0
-        for i, drafts in rows.items():
-            tokens[i, :drafts.shape[1]] = drafts[0]
+        n, device = batch.size, self.ctx.device
+        for i, req in batch.active():  # the features must continue exactly where the last cycle's pairs ended
+            if self.cache.lengths[i] != features[i].start:
+                raise DraftflowError(f"mtp: features start at {features[i].start} but the MTP cache holds "
+                                     f"{self.cache.lengths[i]} pairs in slot {i}; feed mtp.features from the "
+                                     "target's carried features output")
+        last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (logits [V], hidden [H]) of its last pair
+        limit = batch.num_draft + 1  # longer runs (a prompt) catch up alone, so padding stays within the slack cells
+        for i, req in batch.active():
+            if features[i].hidden.shape[1] > limit:
+                last[i] = self._catch_up_alone(req, features[i])
+        short = {i: features[i] for i, _ in batch.active() if i not in last and features[i].hidden.shape[1] > 0}
+        if short:
+            last.update(self._catch_up(batch, short))
+        width = max((req.num_draft for i, req in batch.active() if i in last), default=0)
+        tokens = torch.zeros((n, width), dtype=torch.long, device=device)  # [n, K']: pad rows 0
+        if width:
+            self._chain(batch, last, tokens)
+        wanted = [req.num_draft if req is not None and i in last else 0 for i, req in enumerate(batch.rows)]
         lengths = None
-        if any(d.shape[1] != width for d in rows.values()):
-            lengths = torch.tensor([rows[i].shape[1] if i in rows else 0 for i in range(batch.size)]).to(self.ctx.device)
-        return {"proposal": Proposal(tokens, lengths=lengths)}  # tokens: [n, K']
+        if any(wanted[i] != width for i, _ in batch.active()):
+            lengths = torch.tensor(wanted).to(device, non_blocking=True)  # [n]
+        return {"proposal": Proposal(tokens, lengths=lengths)}
 
-    def _draft(self, req, f) -> torch.Tensor:  # [1, k] int64, k = req.num_draft (0 before the first pair)
-        """Catch slot ``req.slot`` up on the features' pairs, then chain the head ``req.num_draft`` times."""
-        cache, k = self.caches[req.slot], req.num_draft
-        if cache.length != f.start:  # the features must continue exactly where the last cycle's pairs ended
-            raise DraftflowError(f"mtp: features start at {f.start} but the MTP cache holds {cache.length} pairs; "
-                                 "feed mtp.features from the target's carried features output")
+    def _pairs(self, req, f) -> tuple[torch.Tensor, torch.Tensor]:  # ids [T], hidden [T, H]
+        """The (t_{i+1}, h_i) pairs the features bring: ids from the committed tokens, h from the last-layer tap."""
         t = f.hidden.shape[1]
-        ids = torch.tensor([req.tokens[f.start + 1:f.start + t + 1]], dtype=torch.long, device=self.ctx.device)  # [1, T]
-        hidden = f.hidden[..., self.tap]  # [1, T, H]
-        logits = None  # a one-token prompt has no (t_{i+1}, h_i) pair yet: no drafts this cycle
+        ids = torch.tensor(req.tokens[f.start + 1:f.start + t + 1], dtype=torch.long).to(self.ctx.device, non_blocking=True)
+        return ids, f.hidden[0, :, self.tap]
+
+    def _catch_up_alone(self, req, f) -> tuple[torch.Tensor, torch.Tensor]:  # logits [V], hidden [H]
+        """A long run (a prompt) on its own slot's row, in chunks of ``prefill_chunk`` pairs."""
+        cache, (ids, hidden) = self.cache.rows(req.slot, req.slot + 1), self._pairs(req, f)
+        t = ids.shape[0]
         for s in range(0, t, self.chunk):
-            logits, out = self.head(ids[:, s:s + self.chunk], hidden[:, s:s + self.chunk], f.start + s, cache)
+            logits, out = self.head(ids[None, s:s + self.chunk], hidden[None, s:s + self.chunk], f.start + s, cache)
             cache.commit(f.start + min(s + self.chunk, t))
-        drafts = []
-        pos = f.start + t  # next pair: (draft 1, its hidden) at this position
-        for j in range(k if logits is not None else 0):
-            tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-            drafts.append(tok)
+        return logits[0, -1], out[0, -1]
+
+    def _catch_up(self, batch, short: dict) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Every short run in one forward over rows [0, n), each padded to the longest; other rows are pad rows."""
+        n, device = batch.size, self.ctx.device
+        if n == 1:  # batch 1: the run itself, no padding copies
+            ((i, f),) = short.items()
+            ids, hidden = self._pairs(batch.rows[i], f)
+            logits, out = self.head(ids[None], hidden[None], f.start, self.cache.rows(0, 1))
+            self.cache.commit(f.start + ids.shape[0], row=i)
+            return {i: (logits[0, -1], out[0, -1])}
+        t = max(f.hidden.shape[1] for f in short.values())
+        ids = torch.zeros((n, t), dtype=torch.long, device=device)  # [n, T]
+        hidden = torch.zeros((n, t, self.tap.stop - self.tap.start), dtype=self.ctx.dtype, device=device)  # [n, T, H]
+        last_rows = [0] * n
+        starts = list(self.cache.lengths[:n])  # pad rows sit at their slot's committed length: they write past it only
+        for i, f in short.items():
+            row_ids, row_hidden = self._pairs(batch.rows[i], f)
+            ids[i, :row_ids.shape[0]] = row_ids
+            hidden[i, :row_hidden.shape[0]] = row_hidden
+            last_rows[i], starts[i] = row_ids.shape[0] - 1, f.start
+        index = torch.tensor(last_rows).to(device, non_blocking=True)  # [n]
+        logits, out = self.head(ids, hidden, starts, self.cache.rows(0, n), last_rows=index)  # [n, 1, V], [n, 1, H]
+        for i, f in short.items():
+            self.cache.commit(f.start + f.hidden.shape[1], row=i)
+        return {i: (logits[i, 0], out[i, 0]) for i in short}
+
+    def _chain(self, batch, last: dict, tokens: torch.Tensor) -> None:
+        """Drafts 1..K' into ``tokens`` [n, K']: argmax of each row's last logits, then the head chained on its output."""
+        n, k = tokens.shape
+        if len(last) == n:  # every row drafts (always so at batch 1): no padding copies
+            logits = torch.stack([last[i][0] for i in range(n)])  # [n, V]
+            out = torch.stack([last[i][1] for i in range(n)])[:, None]  # [n, 1, H]
+        else:
+            logits = torch.zeros((n, last[next(iter(last))][0].shape[-1]), device=tokens.device)
+            out = torch.zeros((n, 1, self.tap.stop - self.tap.start), dtype=self.ctx.dtype, device=tokens.device)
+            for i, (row_logits, row_out) in last.items():
+                logits[i], out[i, 0] = row_logits, row_out
+        pos = list(self.cache.lengths[:n])  # next pair of each row: (draft 1, its hidden) at its committed length
+        for j in range(k):
+            tokens[:, j] = logits.argmax(-1)
             if j + 1 < k:
-                logits, out = self.head(tok, out, pos + j, cache)
-        return torch.cat(drafts, dim=1) if drafts else torch.empty((1, 0), dtype=torch.long, device=self.ctx.device)
+                step_logits, out = self.head(tokens[:, j:j + 1], out, [p + j for p in pos], self.cache.rows(0, n))
+                logits = step_logits[:, 0]
 
 
 def _trained_for(params) -> dict:

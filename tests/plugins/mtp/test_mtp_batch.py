@@ -19,7 +19,7 @@ def registry():
 
 
 def test_batched_rows_draft_what_each_row_drafts_alone(random_dirs, registry):
-    """Two cycles over slots 0 and 2 (slot 1 a pad row, ragged features and num_draft) equal single-row steps."""
+    """Two cycles over slots 0 and 2 (slot 1 a pad row, ragged features and num_draft): drafts and head K/V equal single-row steps."""
     _, target, mtp_dir, _ = random_dirs("deepseek-v3")
     ex = Executor(build_plan(mtp_graph(target, mtp_dir, taps=(0, 1), max_batch=3), registry))
     node = ex.nodes["mtp"]
@@ -45,17 +45,21 @@ def test_batched_rows_draft_what_each_row_drafts_alone(random_dirs, registry):
             rows = tuple(reqs[i] if i in slots else None for i in range(max(slots) + 1))
             proposal = node.step(Batch(rows, 4), {"features": [feats.get(i) if r else None for i, r in enumerate(rows)]})["proposal"]
             lengths = proposal.lengths.tolist() if proposal.lengths is not None else [proposal.tokens.shape[1]] * len(rows)
-            out.append({i: proposal.tokens[i, :lengths[i]].tolist() for i in slots})
+            # K/V of each slot's committed pairs and of its chained drafts (written just past them)
+            kv = {i: node.cache.buffer[:, :, i, :node.cache.lengths[i] + reqs[i].num_draft - 1].clone() for i in slots}
+            out.append(({i: proposal.tokens[i, :lengths[i]].tolist() for i in slots}, kv))
         return out
 
     together = run([0, 2])
     alone = [run([0]), run([2])]
-    for c, got in enumerate(together):
-        assert got[0] == alone[0][c][0] and got[2] == alone[1][c][2], c
+    for c, (got, kv) in enumerate(together):
+        assert got[0] == alone[0][c][0][0] and got[2] == alone[1][c][0][2], c
         assert len(got[0]) == 4 and len(got[2]) == 2
-    assert node.caches[0].length == 9 and node.caches[2].length == 3
+        torch.testing.assert_close(kv[0], alone[0][c][1][0])
+        torch.testing.assert_close(kv[2], alone[1][c][1][2])
+    assert node.cache.lengths == [9, 0, 3]
     node.release(reqs[0])
-    assert node.caches[0].length == 0 and node.caches[2].length == 3
+    assert node.cache.lengths == [0, 0, 3]
 
 
 def test_batched_greedy_output_equals_each_request_alone(mimic_dirs, registry):
