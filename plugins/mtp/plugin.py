@@ -8,11 +8,11 @@ on its own output hidden, writing KV past the committed length (overwritten next
 so a rejection needs no rollback). Drafts are argmax, so q is one-hot.
 
 Each request slot has its own row of the head's KV cache (``mtp_kv`` is ``[1, 2, batch,
-kv_tokens + K, KVH, D]``) and its own carried features. A batched cycle catches every row
+kv_tokens + K + 1, KVH, D]``) and its own carried features. A batched cycle catches every row
 up in one forward (rows padded to the longest run of new pairs, at most K + 1; a run
 longer than that, a joining request's prompt, goes alone in chunks first), then chains
 the head K - 1 times over all n rows at per-row positions. Pad rows and padding pairs
-only write cells past their slot's committed pairs (at most K past it: the slack cells),
+only write cells past their slot's committed pairs (at most K + 1 past it: the slack cells),
 which the next catch-up overwrites; the proposal is ``[n, K']`` with per-row lengths when
 rows want different K.
 
@@ -70,7 +70,7 @@ def manifest(params, env) -> Manifest:
         role="drafter",
         inputs=(Port("features", "features", carried=True, doc="target taps incl. the last layer (post-norm hidden)"),),
         outputs=(Port("proposal", "proposal", doc="K argmax drafts, probs None"),),
-        owns=(BufferSpec("mtp_kv", (1, 2, BATCH, kv_dim(env.num_draft), cfg.num_kv_heads, cfg.head_dim), env.dtype,
+        owns=(BufferSpec("mtp_kv", (1, 2, BATCH, kv_dim(env.num_draft + 1), cfg.num_kv_heads, cfg.head_dim), env.dtype,
                          doc="K and V of the MTP block per request slot, addressed by pair position i"),),
         vram=Vram(weights=ckpt.nbytes(dtype), scratch=scratch),
         reads=(EMBED_BUFFER, HEAD_BUFFER),
@@ -84,7 +84,7 @@ class Mtp(Node):
         p = ctx.params
         self.ckpt = find_mtp(p["path"], p["config"], p["layout"])
         self.head = load_head(self.ckpt, ctx.device, ctx.dtype).eval()
-        self.cache = KVCache.from_static(ctx.buffers["mtp_kv"])  # [1, 2, max_batch, kv_tokens + K, KVH, D], row = slot
+        self.cache = KVCache.from_static(ctx.buffers["mtp_kv"])  # [1, 2, max_batch, kv_tokens + K + 1, KVH, D], row = slot
         self.chunk = p["prefill_chunk"]
         self.tap = None  # slice of the target's features holding the last layer
         self._bind()

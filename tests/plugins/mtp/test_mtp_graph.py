@@ -60,13 +60,13 @@ def test_missing_mtp_weights_is_a_clear_check_error(mimic_dirs, registry):
 
 
 def test_mtp_declares_its_own_kv_buffer(mimic_dirs, registry):
-    """The MTP KV cache is an owned buffer of one row per request slot, kv_tokens + K cells each, planned with the target's."""
+    """The MTP KV cache is an owned buffer of one row per request slot, kv_tokens + K + 1 cells each, planned with the target's."""
     target, mtp_dir = mimic_dirs("deepseek-v3")
     plan = build_plan(mtp_graph(target, mtp_dir, max_batch=3), registry)
     assert plan.problems == []
     (buf,) = plan.nodes["mtp"].manifest.owns
-    assert buf.name == "mtp_kv" and buf.shape[2:4] == ("batch", "kv_tokens+4")
-    assert plan.buffers["mtp_kv"].nbytes == 3 * 2 * 2 * 16 * (plan.vram.kv_tokens + 4) * 4
+    assert buf.name == "mtp_kv" and buf.shape[2:4] == ("batch", "kv_tokens+5")
+    assert plan.buffers["mtp_kv"].nbytes == 3 * 2 * 2 * 16 * (plan.vram.kv_tokens + 5) * 4
 
 
 def test_target_params_hook_asks_for_the_last_layer(registry):
