@@ -17,7 +17,7 @@ from draftflow.core.problems import Problem
 from draftflow.core.registry import NodeType, Registry
 from draftflow.core.spec import EdgeSpec, GraphSpec
 
-ROLE_RANK = {"target": 0, "drafter": 1, "selector": 2, "other": 3, "verifier": 4}
+ROLE_RANK = {"target": 0, "drafter": 1, "selector": 2, "other": 3, "verifier": 4, "policy": 5}
 
 
 @attrs.frozen

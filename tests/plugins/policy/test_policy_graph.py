@@ -1,0 +1,49 @@
+"""The adaptive_k node through its public entry points: a YAML graph and the CLI's trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import ROOT, run_cli
+
+from draftflow.core.errors import ModelFormatError
+from draftflow.core.executor import Executor
+from draftflow.core.node import SamplingParams
+from draftflow.core.plan import build_plan
+from draftflow.core.registry import load_registry
+from draftflow.core.spec import load_graph
+
+DEMO_GRAPH = ROOT / "graphs" / "demo.yaml"
+
+
+def test_the_default_graph_chooses_k_per_cycle_and_stays_exact(tmp_path):
+    """graphs/demo.yaml drafts with adaptive_k: K varies in the trace, the tokens are the target's alone."""
+    trace = tmp_path / "trace.jsonl"
+    args = ["generate", "def fibonacci(n):", "--graph", str(DEMO_GRAPH), "--max-new-tokens", "64", "--ignore-eos",
+            "--json"]
+    r = run_cli(args + ["--trace", str(trace)])
+    assert r.returncode == 0, r.stderr
+    ks = [json.loads(line)["k"] for line in trace.read_text().splitlines() if '"draft_cycle"' in line]
+    assert ks[0] == 7 and 0 in ks[:3], ks  # both ends measured first
+    assert len(set(ks)) >= 2
+    plain = run_cli(args + ["--set", "num_draft=0"])
+    assert json.loads(r.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
+def test_a_second_policy_is_a_check_problem(tmp_path):
+    graph = DEMO_GRAPH.read_text().replace("models/demo", str(ROOT / "graphs" / "models" / "demo"))
+    (tmp_path / "g.yaml").write_text(graph + "  policy2:\n    plugin: adaptive_k\n")
+    r = run_cli(["check", str(tmp_path / "g.yaml")])
+    assert r.returncode != 0
+    assert "[role]" in r.stderr and "a second draft-length policy (the first is 'policy')" in r.stderr
+
+
+def test_a_policy_answer_outside_the_range_is_refused(monkeypatch):
+    from draftflow.plugins.policy.plugin import AdaptiveK
+
+    monkeypatch.setattr(AdaptiveK, "choose_draft", lambda self, batch: batch.num_draft + 1)
+    ex = Executor(build_plan(load_graph(DEMO_GRAPH), load_registry()))
+    state = ex.start([5, 6, 7], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ModelFormatError, match=r"chose K=8; a policy's choose_draft must return an integer in \[0, 7\]"):
+        ex.step([state])
