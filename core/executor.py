@@ -378,11 +378,12 @@ class Executor:
             draft = [int(t) for t in packed[b + b * width + i * k:b + b * width + i * k + real]]
             emitted = [t for t in emitted_row[:accepted + 1] if t >= 0]
             logprobs = None
-            if n >= 0:
+            if n >= 0 and req.sampling.logprobs is not None:  # rows that did not ask get none
                 chosen = packed[base + i * width:base + (i + 1) * width]
                 ids_at, lp_at = base + b * width + i * width * n, base + b * width + b * width * n + i * width * n
                 ids, lps = packed[ids_at:ids_at + width * n], packed[lp_at:lp_at + width * n]
-                logprobs = [TokenLogprob(tok, chosen[j], tuple((int(ids[j * n + c]), lps[j * n + c]) for c in range(n)))
+                top = min(n, req.sampling.logprobs or 0)  # N is the batch's largest; this request asked for `top`
+                logprobs = [TokenLogprob(tok, chosen[j], tuple((int(ids[j * n + c]), lps[j * n + c]) for c in range(top)))
                             for j, tok in enumerate(emitted)]
             out[i] = (accepted, emitted, draft, logprobs)
         return out

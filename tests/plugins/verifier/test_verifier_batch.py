@@ -221,3 +221,22 @@ def test_batched_loop_samples_the_target_distribution(tiny):
         for tokens in run_together(ex, batch):
             counts[tokens[0] * VOCAB + tokens[1]] += 1
     assert chi_square_pvalue(counts, joint.flatten()) > 1e-3
+
+
+def test_each_request_gets_the_logprobs_it_asked_for(tiny):
+    """Batched with logprobs=3 and none, a logprobs=1 request gets exactly its lone logprobs (one alternative each)."""
+    ex = loop_executor(tiny, 3)
+    asks = [3, 1, None]
+    requests = [([1, 4, 2], SamplingParams(temperature=1.2, seed=5, max_new_tokens=6, ignore_eos=True, logprobs=n))
+                for n in asks]
+    alone = [ex.generate(*r).logprobs for r in requests]
+    states = [ex.start(*r) for r in requests]
+    while any(s.finish_reason is None for s in states):
+        for result in ex.step([s for s in states if s.finish_reason is None]):
+            assert (result.logprobs is None) == (result.request_id == states[2].request_id)
+    together = [ex.finish(s).logprobs for s in states]
+    assert together[2] is None and alone[2] is None
+    for got, want in zip(together[:2], alone[:2]):  # the target's batched logits may differ in the last bits
+        assert [(t.token, [i for i, _ in t.top]) for t in got] == [(t.token, [i for i, _ in t.top]) for t in want]
+        assert [t.logprob for t in got] == pytest.approx([t.logprob for t in want], abs=1e-5)
+    assert [len(lp.top) for lp in together[1]] == [1] * 6
