@@ -64,10 +64,10 @@ class PromptLookup(Node):
         tokens = np.zeros((batch.size, width), dtype=np.int64)  # [n, K']: padding holds token 0
         for i, (start, count) in found.items():
             tokens[i, :count] = self.history[i, start:start + count]
-        lengths = None
+        device, lengths = self.ctx.device, None
         if any(count != width for _, count in found.values()):
-            lengths = torch.tensor([found.get(i, (0, 0))[1] for i in range(batch.size)]).to(self.ctx.device)  # [n]
-        return {"proposal": Proposal(torch.from_numpy(tokens).to(self.ctx.device), lengths=lengths)}
+            lengths = torch.tensor([found.get(i, (0, 0))[1] for i in range(batch.size)]).to(device, non_blocking=True)  # [n]
+        return {"proposal": Proposal(torch.from_numpy(tokens).to(device, non_blocking=True), lengths=lengths)}
 
     def commit(self, req, info):
         self._append(req.slot, req.tokens[self.lengths[req.slot]:])

@@ -49,10 +49,10 @@ class Oracle(Node):
         tokens = torch.zeros(batch.size, width, dtype=torch.long)  # [n, K']: padding holds token 0
         for i, drafts in rows.items():
             tokens[i, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
-        lengths = None
+        device, lengths = self.ctx.device, None
         if any(len(d) != width for d in rows.values()):
-            lengths = torch.tensor([len(rows.get(i, ())) for i in range(batch.size)]).to(self.ctx.device)  # [n]
-        return {"proposal": Proposal(tokens.to(self.ctx.device), lengths=lengths)}
+            lengths = torch.tensor([len(rows.get(i, ())) for i in range(batch.size)]).to(device, non_blocking=True)  # [n]
+        return {"proposal": Proposal(tokens.to(device, non_blocking=True), lengths=lengths)}
 
 
 @hookimpl
