@@ -29,7 +29,7 @@ def manifest(params, env) -> Manifest:
     lo, hi = params["min_ngram"], params["max_ngram"]
     if not 1 <= lo <= hi:
         raise SpecError(f"min_ngram={lo}, max_ngram={hi}: need 1 <= min_ngram <= max_ngram; e.g. min_ngram: 2, max_ngram: 5")
-    # Device memory is only the K-token proposal; the history is host memory (8 B x KV capacity).
+    # Device memory is only the K-token proposal; the histories are host memory (8 B x KV capacity x slots).
     return Manifest(role="drafter", outputs=(Port("proposal", "proposal", doc="up to K copied tokens, probs None"),),
                     vram=Vram(scratch=env.num_draft * 8))
 
