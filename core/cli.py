@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: the graph's max_batch if it sets one, else auto: as many "
                                                      "as the VRAM plan fits, at most 64)")
     sv.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 503")
+    sv.add_argument("--prefill-budget", type=int, default=512, metavar="TOKENS",
+                    help="prompt tokens prefilled between two cycles while requests decode: a long prompt joins in "
+                         "chunks of this size, stalling the running requests one chunk per cycle")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     sv.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     sv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")

@@ -150,8 +150,12 @@ class Executor:
         return [r for r in self._slots if r is not None]
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-              request_id: str | None = None) -> ActiveRequest:
-        """Validate and seed a request and prefill every node with its prompt in a free slot; `step` drafts from there."""
+              request_id: str | None = None, defer_prefill: bool = False) -> ActiveRequest:
+        """Validate and seed a request, take a free slot and prefill every node with its prompt; `step` drafts from there.
+
+        ``defer_prefill``: take the slot but leave the prompt to ``prefill_step``, which a scheduler calls
+        between cycles with a token budget, so that a long prompt does not stall the running requests.
+        """
         sampling = sampling or SamplingParams()
         prompt_ids = list(prompt_ids)
         self._validate(prompt_ids, sampling)
@@ -164,17 +168,41 @@ class Executor:
         state = ActiveRequest(request_id or uuid.uuid4().hex[:12], len(prompt_ids), list(prompt_ids), sampling, gen,
                               stops=frozenset(eos) | frozenset(sampling.stop_token_ids), started=time.perf_counter())
         state.slot = self._slots.index(None)
-        begin = self._timer.start()
+        state.ready = False
+        self._slots[state.slot] = state
+        if not defer_prefill:
+            self.prefill_step(state)
+        return state
+
+    def prefill_step(self, state: ActiveRequest, budget: int | None = None) -> int:
+        """Prefill up to ``budget`` more prompt tokens of a request (None: all); returns how many it processed.
+
+        Every node's ``prefill_chunk`` takes the pieces; once the rest fits the budget, every node's
+        ``prefill`` runs and the request is ready (``state.ready``; ``step`` takes it). A failure frees
+        the slot (the running requests keep theirs) and propagates.
+        """
+        if state.ready or self._slots[state.slot] is not state:
+            raise ValueError(f"request {state.request_id!r} is not waiting for its prefill; step it or start it again")
+        context = len(state.tokens) - 1
+        left = context - state.prefilled
         try:
+            if state.prefilled == 0:
+                state.prefill_marks = (self._timer.start(), None)
+            if budget is not None and left > budget:
+                end = state.prefilled + max(budget, 1)
+                for name in self.order:
+                    self.nodes[name].prefill_chunk(state, end)
+                done, state.prefilled = end - state.prefilled, end
+                return done
             for name in self.order:
                 for port, value in (self.nodes[name].prefill(state) or {}).items():
                     state.carried[(name, port)] = value
         except BaseException:
-            self._release(state)  # the slot stays free; the live requests keep theirs
+            self._release(state)
             raise
-        state.prefill_marks = (begin, self._timer.start())  # read after the first cycle's sync, not now
-        self._slots[state.slot] = state
-        return state
+        state.prefill_marks = (state.prefill_marks[0], self._timer.start())  # read after the first cycle's sync
+        state.prefilled, state.ready = context, True
+        return left
 
     def step(self, states: list[ActiveRequest]) -> list[CycleResult]:
         """Run one draft -> verify -> accept -> commit cycle for all ``states`` at once; one host sync in all.
@@ -198,9 +226,10 @@ class Executor:
                 node = self.plan.nodes[self.policy].node_type.name
                 raise ModelFormatError(f"node '{self.policy}' ({node}) chose K={chosen!r}; a policy's choose_draft must "
                                        f"return an integer in [0, {batch.num_draft}]")
-            for req in states:
-                req.num_draft = min(req.num_draft, chosen)
-            batch = Batch(rows, chosen)
+            for req in states:  # a seeded sampled request keeps the graph's K: its draws never depend on the load
+                if req.sampling.seed is None or req.sampling.temperature == 0:
+                    req.num_draft = min(req.num_draft, chosen)
+            batch = Batch(rows, max(r.num_draft for r in states))
         try:
             values = self._run_nodes(batch)
             verdicts = self._read_verdicts(batch, values)  # the cycle's one host sync
@@ -270,8 +299,10 @@ class Executor:
         state.finish_reason, state.done = reason, True
         if self._slots[state.slot] is state:
             self._release(state)
+        marks = state.prefill_marks
+        prefill_ms = round(self._timer.elapsed_ms(*marks), 4) if marks[1] is not None else 0.0  # None: never prefilled
         summary = {**state.stats.summary(), "tokens_per_s": round(kept / elapsed, 3) if elapsed > 0 else 0.0,
-                   "ttft_s": round(state.ttft_s or 0.0, 6), "prefill_ms": round(self._timer.elapsed_ms(*state.prefill_marks), 4),
+                   "ttft_s": round(state.ttft_s or 0.0, 6), "prefill_ms": prefill_ms,
                    "load_s": self.load_s, "warmup_s": self.warmup_s}
         tokens = state.generated[:kept]
         tokenizer = self.handle.tokenizer
@@ -312,6 +343,9 @@ class Executor:
             if not 0 <= req.slot < self.max_batch or self._slots[req.slot] is not req:
                 raise ValueError(f"request {req.request_id!r} is no longer live: a cycle failed after it started "
                                  "or it belongs to another executor; start it again")
+            if not req.ready:
+                raise ValueError(f"request {req.request_id!r} is still prefilling ({req.prefilled} of "
+                                 f"{len(req.tokens) - 1} prompt tokens); call prefill_step until state.ready")
 
     def _run_nodes(self, batch: Batch) -> dict[tuple[str, str], Any]:
         """Every node's step in schedule order; returns the values on their output ports.

@@ -223,6 +223,12 @@ class Node:
         carried output ports (this request's)."""
         return {}
 
+    def prefill_chunk(self, req: RequestState, end: int) -> None:
+        """Optional, for a node whose prefill is long (the target's forward over the prompt): bring slot
+        ``req.slot`` to the prompt's first ``end`` tokens now, so that a long prompt joins a running batch
+        in chunks between cycles. Called with growing ``end`` (< ``len(req.tokens) - 1``), then ``prefill(req)``
+        does the rest and returns as usual. A node that ignores it does all its work in ``prefill``."""
+
     def step(self, batch: Batch, inputs: dict[str, Any]) -> dict[str, Any]:
         """Run this node's part of one cycle for every row of ``batch``; return values for its output ports.
 

@@ -59,6 +59,8 @@ class ActiveRequest(RequestState):
     logprobs: list[TokenLogprob] = attrs.field(factory=list)  # one per generated token, when the request asks
     stats: RequestStats = attrs.field(factory=RequestStats)
     prefill_marks: tuple[Any, Any] = (0.0, 0.0)  # timer marks around the prefill, read after a sync
+    prefilled: int = 0  # prompt tokens in the nodes' state (start(defer_prefill=True) + prefill_step)
+    ready: bool = True  # prefilled: step may take it
     ttft_s: float | None = None  # start to the end of the first cycle
     finish_reason: str | None = None  # "stop" or "length" once a cycle ended it (or finish's reason)
     done: bool = False  # finish() was called

@@ -51,6 +51,7 @@ class ServeConfig:
     model_names: tuple[str, ...] = ()
     spec_stats: bool = False
     max_n: int = 8
+    prefill_budget: int = 512
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -355,7 +356,7 @@ class DraftflowServer(ThreadingHTTPServer):
 
 def serve(session, config: ServeConfig, ready=None) -> None:
     """Run the server until interrupted; ``ready(server)`` is called once it is listening."""
-    engine = Engine(session, max_waiting=config.max_waiting)
+    engine = Engine(session, max_waiting=config.max_waiting, prefill_budget=config.prefill_budget)
     try:
         server = DraftflowServer(config, engine)
     except OSError as exc:
@@ -394,7 +395,7 @@ def batch_overrides(graph: Path, overrides: list, max_batch: str | None) -> list
 
 def run_serve(args) -> int:
     """`draftflow serve GRAPH`: check and open the graph, then listen until SIGINT / SIGTERM."""
-    for flag in ("max_waiting", "max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_n"):
+    for flag in ("max_waiting", "max_body_bytes", "max_tokens_limit", "default_max_tokens", "max_n", "prefill_budget"):
         if getattr(args, flag) < 1:  # --max-waiting 0 would refuse every request: each one waits before it runs
             raise DraftflowError(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be at least 1")
     if args.default_max_tokens > args.max_tokens_limit:
@@ -415,7 +416,7 @@ def run_serve(args) -> int:
     config = ServeConfig(host=args.host, port=args.port, api_keys=keys, max_body_bytes=args.max_body_bytes,
                          max_waiting=args.max_waiting, max_tokens_limit=args.max_tokens_limit,
                          default_max_tokens=args.default_max_tokens, model_names=tuple(args.model_names),
-                         spec_stats=args.spec_stats, max_n=args.max_n)
+                         spec_stats=args.spec_stats, max_n=args.max_n, prefill_budget=args.prefill_budget)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt

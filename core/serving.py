@@ -7,8 +7,11 @@ client) and write. The worker loops over draft cycles:
    ended with ``finish(reason="cancelled")``, which frees its slot before the next cycle;
 2. **admit**: while the executor has a free slot, the next candidate of an already admitted
    request (``n`` / ``best_of``) or else the next request of the fair queue is ``start``-ed
-   (prefilled into the free slot; the live requests are untouched);
-3. **step** every live request in one ``Executor.step`` (one batched cycle, one host sync),
+   into the free slot with its prefill deferred (the live requests are untouched);
+3. **prefill** joining requests, at most ``prefill_budget`` prompt tokens between two cycles
+   while others decode (all of it when nothing decodes): a long prompt joins in chunks and
+   stalls the running requests by one chunk per cycle, not by its whole prefill;
+4. **step** every prefilled live request in one ``Executor.step`` (one batched cycle, one host sync),
    then per request: the committed tokens become text deltas for its HTTP handler, a stop
    string or the executor's own finish (EOS, stop token, max_tokens) ends it with
    ``finish``, and its slot is free for step 2 of the next loop.
@@ -41,6 +44,7 @@ from draftflow.core.tracing import RequestStats
 __all__ = ["Engine", "QueueFull", "ServeRequest"]
 log = structlog.get_logger("draftflow")
 IDLE_WAIT_S = 0.2  # how long an idle worker blocks on the queue before it looks at the closing flag again
+PREFILL_BUDGET = 512  # prompt tokens prefilled between two cycles while requests decode (serve --prefill-budget)
 
 
 @attrs.define(eq=False)
@@ -80,9 +84,12 @@ class ServeRequest:
 class Engine:
     """Owns a ``Session``; one worker thread runs the admitted requests through its executor, batched."""
 
-    def __init__(self, session, max_waiting: int = 64, start: bool = True, decode=None):
-        """``decode``: token ids -> text (default: the target's tokenizer); ``start``: run the worker now."""
+    def __init__(self, session, max_waiting: int = 64, start: bool = True, decode=None,
+                 prefill_budget: int = PREFILL_BUDGET):
+        """``decode``: token ids -> text (default: the target's tokenizer); ``start``: run the worker now;
+        ``prefill_budget``: prompt tokens prefilled between two cycles while requests decode."""
         self.session = session
+        self.prefill_budget = prefill_budget
         self.executor = session.executor
         self.max_batch = self.executor.max_batch
         self.queue = FairQueue(max_waiting)
@@ -139,6 +146,7 @@ class Engine:
             if not closing:
                 self._admit()
             if self.live:
+                self._prefill()
                 self._cycle()
             self._gauges()
 
@@ -183,7 +191,7 @@ class Engine:
 
     def _start(self, cand: Candidate) -> None:
         try:
-            cand.state = self.executor.start(cand.req.prompt_ids, cand.sampling, cand.request_id)
+            cand.state = self.executor.start(cand.req.prompt_ids, cand.sampling, cand.request_id, defer_prefill=True)
         except DraftflowError as exc:  # RequestError: prompt past the context, ids outside the vocabulary
             self._fail(cand.req, 400, str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug must not take the server down; only this prefill failed
@@ -191,9 +199,28 @@ class Engine:
         else:
             self.live.append(cand)
 
+    def _prefill(self) -> None:
+        """Prefill joining candidates in start order: up to ``prefill_budget`` prompt tokens while others decode."""
+        budget = self.prefill_budget if any(c.state.ready for c in self.live) else None
+        for cand in [c for c in self.live if not c.state.ready]:
+            if budget is not None and budget <= 0:
+                return
+            try:
+                used = self.executor.prefill_step(cand.state, budget)
+            except DraftflowError as exc:
+                self._fail(cand.req, 400, str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - only this prefill failed; its slot is free again
+                self._fail(cand.req, 500, self._internal(cand.req, exc))
+                continue
+            if budget is not None:
+                budget -= max(used, 1)
+
     def _cycle(self) -> None:
-        """One batched cycle for every live candidate, then each one's deltas, stop strings and finish."""
-        cands = list(self.live)
+        """One batched cycle for every prefilled live candidate, then each one's deltas, stop strings and finish."""
+        cands = [c for c in self.live if c.state.ready]
+        if not cands:
+            return
         try:
             results = self.executor.step([c.state for c in cands])
         except Exception as exc:  # noqa: BLE001 - the executor dropped every live request; each gets the error

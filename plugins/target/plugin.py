@@ -198,6 +198,7 @@ class Target(Node):
             b = ctx.buffers
             self.linear = LinearState(b["linear_conv"], b["linear_recurrent"], window,
                                       self.config.linear_conv_kernel - 1, p["linear_rollback"], b.get("linear_journal"))
+        self.partial: dict[int, str] = {}  # slot -> the request whose prompt chunks it holds (prefill_chunk)
         self.expert_counts = {}  # MoE: expert-cache counters at the end of the last cycle (or prefill)
         if self.config.moe_layers:
             self.model.set_expert_cache(ctx.resident_experts)
@@ -261,24 +262,38 @@ class Target(Node):
     def prefill(self, req):
         context = req.tokens[:-1]  # the anchor is fed with the first verify window
         s = req.slot
-        cache, linear = self._slot(s)
-        cache.crop(0)
-        if linear is not None:
-            linear.reset()
-        chunk = self.ctx.params["prefill_chunk"]
-        ids = torch.tensor([context], dtype=torch.long, device=self.ctx.device)  # [1, P-1]
-        for start in range(0, len(context), chunk):
-            window = ids[:, start:start + chunk]
-            _, taps = self.model(window, start, cache, logit_rows=0, tap_layers=self.taps, linear=linear)
-            if taps is not None:
-                self.features[s:s + 1, start:start + window.shape[1]] = taps
-            end = min(start + chunk, len(context))
-            cache.commit(end)
-            if linear is not None:
-                linear.commit(end)
+        self._prefill_to(req, len(context))
         if self.model.expert_cache is not None:  # cycle 0 reports its own window, not the prompt's
             self.expert_counts = self.model.expert_cache.counters()
         return {"features": Features(self.features[s:s + 1, :len(context)], 0)} if self.taps else {}
+
+    @torch.inference_mode()
+    def prefill_chunk(self, req, end):
+        self._prefill_to(req, end)
+
+    def _prefill_to(self, req, end: int) -> int:
+        """Bring slot req.slot to the prompt's first `end` tokens, continuing this request's earlier chunks (else
+        from an empty slot); returns where it started."""
+        s = req.slot
+        cache, linear = self._slot(s)
+        if self.partial.get(s) != req.request_id:  # a new request in this slot
+            self.partial[s] = req.request_id
+            cache.crop(0)
+            if linear is not None:
+                linear.reset()
+        begin = cache.length
+        chunk = self.ctx.params["prefill_chunk"]
+        ids = torch.tensor([req.tokens[begin:end]], dtype=torch.long, device=self.ctx.device)  # [1, end - begin]
+        for start in range(begin, end, chunk):
+            window = ids[:, start - begin:start - begin + chunk]
+            _, taps = self.model(window, start, cache, logit_rows=0, tap_layers=self.taps, linear=linear)
+            if taps is not None:
+                self.features[s:s + 1, start:start + window.shape[1]] = taps
+            stop = min(start + chunk, end)
+            cache.commit(stop)
+            if linear is not None:
+                linear.commit(stop)
+        return begin
 
     @torch.inference_mode()
     def step(self, batch, inputs):
@@ -318,7 +333,8 @@ class Target(Node):
         return {}
 
     def release(self, req):
-        """Nothing to free: the slot's rows are reset by the next prefill into it."""
+        """The slot's rows are reset by the next prefill into it; only forget whose chunks it holds."""
+        self.partial.pop(req.slot, None)
 
 
 @hookimpl

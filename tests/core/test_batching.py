@@ -120,3 +120,34 @@ def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_exact():
             if r.finish is not None:
                 got[r.request_id] = list(ex.finish(live.pop(r.request_id)).token_ids)
     assert [got["0"], got["again"], got["2"]] == expected
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_a_long_prompt_joins_in_chunks_between_cycles(kind):
+    """defer_prefill + prefill_step: a joining prompt is prefilled 5 tokens per cycle while others decode; exact."""
+    alone = build(kind, 1)
+    tok = alone.handle.tokenizer
+    long_prompt = tok.encode("\n".join(PROMPTS[:6]))
+    short = tok.encode(PROMPTS[6])
+    sampling = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    longer = SamplingParams(max_new_tokens=160, ignore_eos=True)  # still decoding while the long prompt joins
+    expected = [list(alone.generate(short, longer).token_ids), list(alone.generate(long_prompt, sampling).token_ids)]
+    ex = build(kind, 2)
+    first = ex.start(short, longer, "short")
+    ex.step([first])
+    joining = ex.start(long_prompt, sampling, "long", defer_prefill=True)
+    assert not joining.ready
+    with pytest.raises(ValueError, match="still prefilling"):
+        ex.step([first, joining])
+    chunks = 0
+    while not joining.ready:
+        assert ex.prefill_step(joining, 5) <= 5
+        chunks += 1
+        ex.step([first])  # the running request decodes between chunks
+    assert chunks >= len(long_prompt) // 5
+    live, got = {"short": first, "long": joining}, {}
+    while live:
+        for r in ex.step(list(live.values())):
+            if r.finish is not None:
+                got[r.request_id] = list(ex.finish(live.pop(r.request_id)).token_ids)
+    assert [got["short"], got["long"]] == expected

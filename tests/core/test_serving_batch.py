@@ -188,3 +188,30 @@ def test_close_ends_running_requests_as_cancelled(engine_of):
     engine.close()
     assert collect(running)[1][-1][2] == "cancelled"
     assert collect(waiting)[1] == [("error", 503, "the server is shutting down")]
+
+
+def test_a_long_prompt_joins_in_chunks_while_others_decode(engine_of):
+    """With prefill_budget 8, a 40-token prompt that arrives during a run is prefilled over 5 loops, one chunk
+    between two cycles of the running request, and then joins its batch; both get exactly their tokens."""
+    engine = engine_of(2, start=False, prefill_budget=8)
+    short, long = request("short", [1, 2], 60), request("long", [i % 31 + 1 for i in range(40)], 12)
+    prefills = []
+    step = engine.executor.prefill_step
+
+    def recording(state, budget=None):
+        used = step(state, budget)
+        prefills.append((len(steps.cycles), used, state.ready))
+        return used
+
+    engine.executor.prefill_step = recording
+    steps = Steps(engine.executor, on_cycle=lambda i: engine.submit(long) if i == 1 else None)
+    engine.submit(short)
+    engine.start()
+    for r in (short, long):
+        texts, ends = collect(r)
+        assert texts[0] == expected(r) and ends[-1][2] == "length"
+    chunks = [p for p in prefills if p[0] >= 2]  # the long prompt's, taken while "short" decodes
+    assert [used for _, used, _ in chunks] == [8, 8, 8, 8, 7] and chunks[-1][2]
+    assert [c for c, _, _ in chunks] == list(range(chunks[0][0], chunks[0][0] + 5))  # one chunk per cycle
+    joined = next(i for i, ids in enumerate(steps.cycles) if "long" in ids)
+    assert all(steps.cycles[i] == ["short"] for i in range(2, joined)) and joined >= 6
