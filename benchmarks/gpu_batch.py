@@ -32,23 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_dflash as gd  # noqa: E402
 import gpu_target as gt  # noqa: E402
 
-from draftflow.plugin import Manifest, Node, NodeType, hookimpl  # noqa: E402
-
-
-class FixedK(Node):
-    """A policy that drafts whatever `FixedK.k` says (the benchmark sets it between measurements)."""
-
-    k = 0
-
-    def choose_draft(self, batch) -> int:
-        return min(FixedK.k, batch.num_draft)
-
-
-class BenchPlugin:
-    @hookimpl
-    def draftflow_register_nodes(self, registry):
-        registry.add_node_type(NodeType(name="bench-k", role="policy", factory=FixedK,
-                                        manifest=lambda params, env: Manifest(role="policy")))
+import bench_policy  # noqa: E402
+from bench_policy import FixedK  # noqa: E402
 
 
 def tau_rate(tau: float, k: int) -> float:
@@ -70,7 +55,7 @@ def executor(graph: dict):
     from draftflow.core.registry import load_registry
     from draftflow.core.spec import GraphSpec
 
-    ex = Executor(build_plan(GraphSpec.from_dict(graph), load_registry(extra_plugins=(("bench", BenchPlugin()),))))
+    ex = Executor(build_plan(GraphSpec.from_dict(graph), load_registry(extra_plugins=(("bench_policy", bench_policy),))))
     ex.warmup()
     return ex
 
@@ -135,7 +120,7 @@ def main() -> None:
         (root / name / "config.json").write_text(json.dumps(d))
     hf_loader.load_hf = lambda path, device, dtype: hf_loader.LoadedTarget(target, tcfg, None, (), "random")
     dflash_plugin.load_drafter = lambda path, device, dtype: (drafter, dcfg)
-    common = {"device": gt.DEV, "dtype": "bfloat16" if gt.DEV == "cuda" else "float32", "max_context": 1024,
+    common = {"device": gt.DEV, "dtype": "bfloat16", "max_context": 1024,
               "max_batch": max(batches)}
     plain = executor({**common, "num_draft": 0, "nodes": {
         "target": {"plugin": "target", "params": {"path": str(root / "target")}}, "verify": {"plugin": "verifier"}}})

@@ -53,6 +53,10 @@ def expert_cache_line(plan: GraphPlan) -> str:
     return text + ("; " + ", ".join(costs) if costs else "")
 
 
+ROLE_COLORS = {"target": "#8ecae6", "drafter": "#ffb703", "selector": "#fb8500", "verifier": "#90be6d",
+               "policy": "#cdb4db", "other": "#cccccc"}
+
+
 def draw_plan(plan: GraphPlan, path: str) -> None:
     """Render the graph to an image: solid arrows within a cycle, dashed for carried edges."""
     import networkx as nx
@@ -64,7 +68,7 @@ def draw_plan(plan: GraphPlan, path: str) -> None:
     layers = {n: i for i, n in enumerate(plan.order)}
     pos = {n: (layers[n], (i % 2) * 0.6) for i, n in enumerate(plan.order)}
     fig, ax = plt.subplots(figsize=(2.6 * max(len(g), 2), 3.2))
-    colors = {"target": "#8ecae6", "drafter": "#ffb703", "selector": "#fb8500", "verifier": "#90be6d", "other": "#cccccc"}
+    colors = ROLE_COLORS
     nx.draw_networkx_nodes(g, pos, ax=ax, node_size=2600, node_color=[colors[plan.nodes[n].manifest.role] for n in g])
     nx.draw_networkx_labels(g, pos, ax=ax, labels={n: f"{n}\n{plan.nodes[n].node_type.name}" for n in g}, font_size=8)
     solid = [(u, v) for u, v, d in g.edges(data=True) if not d["carried"]]

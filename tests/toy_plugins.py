@@ -56,14 +56,6 @@ def target_manifest(params, env):
     )
 
 
-def padded(rows: list[list[int] | None]) -> Proposal:
-    """A [n, K'] proposal from per-row drafts (None: a pad row); K' = the longest, lengths set when ragged."""
-    width = max((len(r) for r in rows if r is not None), default=0)
-    tokens = torch.tensor([(r or []) + [0] * (width - len(r or [])) for r in rows], dtype=torch.long).reshape(len(rows), width)
-    ragged = any(r is not None and len(r) != width for r in rows)
-    return Proposal(tokens, lengths=torch.tensor([len(r or []) for r in rows]) if ragged else None)
-
-
 class ToyTarget(Node):
     vocab_size = 32
     eos_ids = ()
@@ -147,7 +139,7 @@ class ToyDrafter(Node):
             self.features_seen.append(None if f is None else (f.start, f.hidden.shape[1]))
         if self.ctx.params["scribble"]:
             self.ctx.shared["toy_kv"].add_(0)  # an in-place write to a buffer it does not own
-        return {"proposal": padded([self.draft(r) if r is not None else None for r in batch.rows])}
+        return {"proposal": Proposal.from_rows([self.draft(r) if r is not None else None for r in batch.rows], "cpu")}
 
 
 @hookimpl

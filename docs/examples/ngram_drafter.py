@@ -16,8 +16,6 @@ or publish it under the ``draftflow`` entry-point group of your package:
 
 from __future__ import annotations
 
-import torch
-
 from draftflow.plugin import TARGET_HANDLE, Manifest, Node, NodeType, ParamSpec, Port, Proposal, Vram, hookimpl
 
 PARAMS = (ParamSpec("order", "int", 2, "tokens of context a continuation is keyed on", minimum=1),)
@@ -31,14 +29,6 @@ def manifest(params, env) -> Manifest:
         requires={TARGET_HANDLE},  # so ctx.target is the loaded target's TargetHandle
         vram=Vram(scratch=8 * env.num_draft),  # an int64 draft row; the tables live in host memory
     )
-
-
-def padded(rows: list[list[int]], device) -> Proposal:
-    """One proposal for the batch: row i's drafts, padded with token 0 to the longest row, and each row's length."""
-    width = max(map(len, rows))
-    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)  # [B, K]
-    lengths = torch.tensor([len(r) for r in rows])  # [B]: the real drafts of each row
-    return Proposal(tokens.to(device), lengths=lengths.to(device))
 
 
 class NgramDrafter(Node):
@@ -76,7 +66,7 @@ class NgramDrafter(Node):
     def step(self, batch, inputs):
         # Row i is the request in slot i, or None for a slot this cycle does not step (its row is ignored).
         rows = [self.draft(req) if req is not None else [] for req in batch.rows]
-        return {"proposal": padded(rows, self.ctx.device)}
+        return {"proposal": Proposal.from_rows(rows, self.ctx.device)}
 
     def commit(self, req, info):
         self.learn(req)  # committed tokens only grow (a rejection never removes them): learn the tail

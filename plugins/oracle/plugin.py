@@ -10,8 +10,6 @@ same reference, offset by that request's own output length.
 
 from __future__ import annotations
 
-import torch
-
 from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, Proposal, hookimpl
 
 PARAMS = (
@@ -44,15 +42,8 @@ class Oracle(Node):
         return [self._wrong(t) if (g + j) in self.errors or j in self.wrong_index else t for j, t in enumerate(drafts)]
 
     def step(self, batch, inputs):
-        rows = {i: self.draft(req) for i, req in batch.active()}
-        width = max(map(len, rows.values()), default=0)
-        tokens = torch.zeros(batch.size, width, dtype=torch.long)  # [n, K']: padding holds token 0
-        for i, drafts in rows.items():
-            tokens[i, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
-        device, lengths = self.ctx.device, None
-        if any(len(d) != width for d in rows.values()):
-            lengths = torch.tensor([len(rows.get(i, ())) for i in range(batch.size)]).to(device, non_blocking=True)  # [n]
-        return {"proposal": Proposal(tokens.to(device, non_blocking=True), lengths=lengths)}
+        rows = [self.draft(req) if req is not None else None for req in batch.rows]
+        return {"proposal": Proposal.from_rows(rows, self.ctx.device)}
 
 
 @hookimpl

@@ -108,3 +108,11 @@ def test_crashing_check_is_reported_not_raised(registry):
     registry.add_check("broken", lambda plan: 1 / 0)
     _, found = problems(registry, "good_toy.yaml")
     assert any("[check-crashed]: check 'broken'" in p and "ZeroDivisionError" in p for p in found)
+
+
+def test_every_role_has_a_schedule_rank_and_a_drawing_colour():
+    from draftflow.core.manifest import ROLES
+    from draftflow.core.plan import ROLE_RANK
+    from draftflow.core.report import ROLE_COLORS
+
+    assert set(ROLE_RANK) == set(ROLES) == set(ROLE_COLORS)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
 from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, Proposal, SpecError, Vram, hookimpl
 
 PARAMS = (
@@ -72,14 +70,6 @@ def manifest(params, env) -> Manifest:
     )
 
 
-def padded(rows: list[list[int]], device) -> Proposal:
-    """One proposal for the batch: row i's drafts, padded with token 0 to the longest row, and each row's length."""
-    width = max(map(len, rows))
-    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)  # [B, K]
-    lengths = torch.tensor([len(r) for r in rows])  # [B]: the real drafts of each row
-    return Proposal(tokens.to(device), lengths=lengths.to(device))
-
-
 class BigramDrafter(Node):
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -96,7 +86,7 @@ class BigramDrafter(Node):
     def step(self, batch, inputs):
         # Row i is the request in slot i, or None for a slot this cycle does not step (its row is ignored).
         rows = [self.tables[req.slot].chain(req.anchor, req.num_draft) if req is not None else [] for req in batch.rows]
-        return {"proposal": padded(rows, self.ctx.device)}
+        return {"proposal": Proposal.from_rows(rows, self.ctx.device)}
 
     def commit(self, req, info):
         # Committed tokens only ever grow, so learning the new tail is all a commit needs.
