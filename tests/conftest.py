@@ -25,6 +25,16 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _structlog_defaults():
+    """A test that configures logging in process (the load-test tool, a served graph) filters INFO events: put
+    structlog back afterwards, so a later test's capture_logs sees the cycle events."""
+    import structlog
+
+    yield
+    structlog.reset_defaults()
+
+
 @pytest.fixture
 def registry():
     """Built-in plugins plus the toy target/drafter."""
