@@ -73,8 +73,9 @@ def manifest(params, env) -> Manifest:
     h, taps = cfg.hidden_size, cfg.num_taps
     # Context ingestion (fc input, projections) bounded by CONTEXT_CHUNK; block rows need logits over the vocab.
     vocab = cfg.vocab_size or 0
-    scratch = (CONTEXT_CHUNK * (taps * h + 4 * h) + cfg.block_size * (4 * h + 2 * cfg.intermediate_size)) * dtype.itemsize \
-        + 2 * cfg.block_size * vocab * 4
+    block = env.max_batch * cfg.block_size  # every slot's block rows in one pass
+    scratch = (CONTEXT_CHUNK * (taps * h + 4 * h) + block * (4 * h + 2 * cfg.intermediate_size)) * dtype.itemsize \
+        + 2 * block * vocab * 4
     return Manifest(
         role="drafter",
         inputs=(Port("features", "features", carried=True,
@@ -163,15 +164,20 @@ class DFlash(RowProposals, Node):
         for i in range(0, rows.shape[1], CONTEXT_CHUNK):
             self.model.draft(rows[:, i:i + CONTEXT_CHUNK], start + i, None, cache)
 
-    def _catch_up(self, req, features, k: int, limit: int) -> tuple[torch.Tensor, int]:
-        """Ingest what of the request's new feature rows cannot ride with its block; return the rest ([1, C, n*H],
-        C <= `limit`, ending at the anchor) and their start."""
+    def _catch_up(self, req, features, k: int, limit: int, batched: bool = False) -> tuple[torch.Tensor, int]:
+        """Ingest what of the request's new feature rows cannot ride with its block (or, `batched`, with the
+        batch's one ingest pass); return the rest ([1, C, n*H], C <= `limit`) and their start."""
         cfg, cache = self.config, self.caches[req.slot]
         rows, start = (features.hidden, features.start) if features is not None else (self._no_rows(), cache.length)
         if start > cache.length:
             raise ModelFormatError(f"node '{self.name}' ({self.KIND}): features start at position {start} but the draft "
                                    f"cache holds {cache.length}; wire target.features -> {self.name}.features (carried)")
         cache.crop(start)  # drop anything past the rows (last cycle's block, rejected drafts)
+        if k == 0 and batched and start + rows.shape[1] == req.position:  # a batch not drafting: rows ride one pass
+            if rows.shape[1] > limit:
+                self._ingest(cache, rows[:, :-limit], start)
+                rows, start = rows[:, -limit:], req.position - limit
+            return rows, start
         if k == 0 or start + rows.shape[1] != req.position:  # nothing to draft, or the rows do not end at the anchor
             self._ingest(cache, rows, start)
             if k > 0 and cache.length != req.position:
@@ -199,7 +205,7 @@ class DFlash(RowProposals, Node):
         todo, widths = [], [0] * n  # todo: (row, rows [1, C, n*H], start)
         for i, req in batch.active():
             widths[i] = min(k, req.num_draft)
-            rows, start = self._catch_up(req, features[i], k, limit)
+            rows, start = self._catch_up(req, features[i], k, limit, batched=True)
             todo.append((i, rows, start))
         if k == 0:
             if any(rows.shape[1] for _, rows, _ in todo):
