@@ -9,7 +9,7 @@ from __future__ import annotations
 import attrs
 import networkx as nx
 
-from draftflow.core.budget import VramPlan, plan_vram
+from draftflow.core.budget import AUTO_BATCH_CAP, VramPlan, plan_vram
 from draftflow.core.errors import CheckError, DraftflowError
 from draftflow.core.manifest import Manifest
 from draftflow.core.params import did_you_mean, validate_params
@@ -28,6 +28,8 @@ class Env:
     dtype: str
     num_draft: int
     max_context: int | None
+    # Request slots the plan may allocate (max_batch, or auto's cap): size per-batch scratch by it.
+    max_batch: int = 1
 
 
 @attrs.frozen
@@ -132,7 +134,7 @@ def device_budget(spec: GraphSpec) -> int | None:
 
 def build_plan(spec: GraphSpec, registry: Registry) -> GraphPlan:
     """Resolve, wire, order and check ``spec``; problems are collected on the plan."""
-    env = Env(spec.device, spec.dtype, spec.num_draft, spec.max_context)
+    env = Env(spec.device, spec.dtype, spec.num_draft, spec.max_context, spec.max_batch or AUTO_BATCH_CAP)
     plan = GraphPlan(spec=spec, env=env)
     if (unusable := device_problem(spec.device)) is not None:
         plan.problem("", "device", *unusable, where=spec.at("device"))

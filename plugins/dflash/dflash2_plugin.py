@@ -66,8 +66,9 @@ def manifest(params, env) -> Manifest:
     cfg = read_config(params["path"])
     base, dtype = cfg.base, getattr(torch, env.dtype)
     h, taps, b = base.hidden_size, base.num_taps, base.block_size
-    scratch = (CONTEXT_CHUNK * (taps * h + 4 * h) + b * (6 * h + 2 * base.intermediate_size)) * dtype.itemsize \
-        + 2 * b * cfg.vocab_size * 4
+    rows = env.max_batch * b  # every slot's block rows in one pass
+    scratch = (CONTEXT_CHUNK * (taps * h + 4 * h) + rows * (6 * h + 2 * base.intermediate_size)) * dtype.itemsize \
+        + 2 * rows * cfg.vocab_size * 4
     return Manifest(
         role="drafter",
         inputs=(Port("features", "features", carried=True,

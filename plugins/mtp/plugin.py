@@ -65,7 +65,8 @@ def manifest(params, env) -> Manifest:
     # Per pair: the block's activations; an MoE block's widest MLP is k routed experts plus the shared one.
     mlp = (block.num_experts_per_tok * (3 * block.moe_intermediate_size + 2 * cfg.hidden_size)
            + 2 * block.shared_expert_intermediate_size) if block.moe_layers else 2 * cfg.intermediate_size
-    scratch = chunk * (6 * cfg.hidden_size + mlp) * dtype.itemsize + env.num_draft * cfg.vocab_size * 4
+    rows = max(chunk, env.max_batch * (env.num_draft + 1))  # a prompt chunk or every slot's pairs
+    scratch = rows * (6 * cfg.hidden_size + mlp) * dtype.itemsize + env.max_batch * env.num_draft * cfg.vocab_size * 4
     return Manifest(
         role="drafter",
         inputs=(Port("features", "features", carried=True, doc="target taps incl. the last layer (post-norm hidden)"),),

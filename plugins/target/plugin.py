@@ -126,7 +126,8 @@ def manifest(params, env) -> Manifest:
         owns.append(BufferSpec("target_features", (BATCH, kv_dim(window), len(taps) * cfg.hidden_size), env.dtype,
                                doc="feature taps of every position, concatenated in tap order"))
         provides.add("target.features")
-    scratch = SCRATCH_TOKENS * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + SCRATCH_TOKENS * cfg.vocab_size * 4
+    rows = max(SCRATCH_TOKENS, env.max_batch * (env.num_draft + 1))  # a prefill chunk or every slot's verify window
+    scratch = rows * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + rows * cfg.vocab_size * 4
     weights, pool = weight_bytes(cfg, dtype), None
     if cfg.moe_layers:  # routed experts are an elastic pool, not weights (docs/MOE.md)
         from draftflow.layers.moe import expert_pool_vram
