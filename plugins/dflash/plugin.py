@@ -164,23 +164,25 @@ class DFlash(RowProposals, Node):
         for i in range(0, rows.shape[1], CONTEXT_CHUNK):
             self.model.draft(rows[:, i:i + CONTEXT_CHUNK], start + i, None, cache)
 
-    def _catch_up(self, req, features, k: int, limit: int, batched: bool = False) -> tuple[torch.Tensor, int]:
-        """Ingest what of the request's new feature rows cannot ride with its block (or, `batched`, with the
-        batch's one ingest pass); return the rest ([1, C, n*H], C <= `limit`) and their start."""
+    def _catch_up(self, req, features, k: int, limit: int) -> tuple[torch.Tensor, int]:
+        """Ingest what of the request's new feature rows cannot ride with its block; return the rest ([1, C, n*H],
+        C <= `limit`, ending at the anchor) and their start. A cycle that drafts nothing ingests nothing: the rows
+        wait in the target's tap buffer, and the next cycle that drafts takes them from there."""
         cfg, cache = self.config, self.caches[req.slot]
         rows, start = (features.hidden, features.start) if features is not None else (self._no_rows(), cache.length)
-        if start > cache.length:
-            raise ModelFormatError(f"node '{self.name}' ({self.KIND}): features start at position {start} but the draft "
-                                   f"cache holds {cache.length}; wire target.features -> {self.name}.features (carried)")
+        if start > cache.length:  # cycles without drafting skipped their rows: read them from the tap buffer
+            tapped = self.ctx.target.features  # [slots, cells, n_taps * H]
+            if tapped is None:
+                raise ModelFormatError(f"node '{self.name}' ({self.KIND}): features start at position {start} but the "
+                                       f"draft cache holds {cache.length}; wire target.features -> {self.name}.features "
+                                       "(carried) and tap the target")
+            rows, start = torch.cat([tapped[req.slot:req.slot + 1, cache.length:start], rows], dim=1), cache.length
         cache.crop(start)  # drop anything past the rows (last cycle's block, rejected drafts)
-        if k == 0 and batched and start + rows.shape[1] == req.position:  # a batch not drafting: rows ride one pass
-            if rows.shape[1] > limit:
-                self._ingest(cache, rows[:, :-limit], start)
-                rows, start = rows[:, -limit:], req.position - limit
-            return rows, start
-        if k == 0 or start + rows.shape[1] != req.position:  # nothing to draft, or the rows do not end at the anchor
+        if k == 0:
+            return rows[:, :0], cache.length
+        if start + rows.shape[1] != req.position:  # the rows do not end at the anchor
             self._ingest(cache, rows, start)
-            if k > 0 and cache.length != req.position:
+            if cache.length != req.position:
                 raise ModelFormatError(f"node '{self.name}' ({self.KIND}): draft cache holds {cache.length} positions "
                                        f"but the anchor is at {req.position}; the target must tap {list(cfg.target_layer_ids)}")
             return rows[:, :0], cache.length
@@ -205,11 +207,9 @@ class DFlash(RowProposals, Node):
         todo, widths = [], [0] * n  # todo: (row, rows [1, C, n*H], start)
         for i, req in batch.active():
             widths[i] = min(k, req.num_draft)
-            rows, start = self._catch_up(req, features[i], k, limit, batched=True)
+            rows, start = self._catch_up(req, features[i], k, limit)
             todo.append((i, rows, start))
         if k == 0:
-            if any(rows.shape[1] for _, rows, _ in todo):
-                self._draft_slots(n, todo, None, widths)
             return None
         hidden, logits = self._draft_slots(n, todo, batch, widths)
         return hidden[:n, :k], logits[:n, :k], widths
