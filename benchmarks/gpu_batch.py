@@ -80,6 +80,45 @@ def cycle_ms(ex, batch: int, k: int, cycles: int, prompt_len: int, vocab: int) -
     return ms
 
 
+def random_pair(tiny: bool, tokenizer=None):
+    """Random bf16 Qwen3-8B and DFlash-b16 shaped models on the device (toy shapes on the CPU with `tiny`), served
+    to draftflow's loaders from config-only directories: (root with target/ and drafter/, target cfg, drafter cfg).
+
+    `tokenizer` (a tokenizers.Tokenizer) becomes the target's; the LM head rows past its vocabulary are zeroed so
+    greedy output stays inside it."""
+    from draftflow.layers.config import TargetConfig
+    from draftflow.plugins.dflash import plugin as dflash_plugin
+    from draftflow.plugins.dflash.config import DFlashConfig
+    from draftflow.plugins.dflash.model import DFlashModel
+    from draftflow.plugins.target import hf_loader
+
+    tcfg_d, dcfg_d = dict(gt.QWEN3_8B), dict(gd.DRAFTER_8B)
+    if tiny:
+        gt.DEV = "cpu"
+        tcfg_d = dict(gt.TINY, num_hidden_layers=4)
+        dcfg_d.update(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_target_layers=4,
+                      dflash_config={"mask_token_id": 511, "target_layer_ids": [1, 2]})
+    tcfg = TargetConfig.from_hf_dict(tcfg_d, "qwen3-8b-shape")
+    dcfg = DFlashConfig.from_hf_dict(dcfg_d, "dflash-b16-shape")
+    target = gt.build_model(tcfg, seed=0)
+    if tokenizer is not None:
+        with torch.no_grad():
+            target.head_weight()[tokenizer.get_vocab_size():] = 0
+    drafter = DFlashModel(dcfg, dtype=torch.bfloat16, device=gt.DEV).eval()
+    gen = torch.Generator(device=gt.DEV).manual_seed(1)
+    with torch.no_grad():
+        for name, prm in sorted(drafter.named_parameters()):
+            prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
+    root = Path(tempfile.mkdtemp())
+    for name, d in (("target", tcfg_d), ("drafter", dcfg_d)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(d))
+    hf_loader.load_hf = lambda path, device, dtype: hf_loader.LoadedTarget(target, tcfg, tokenizer, (), "random")
+    dflash_plugin.load_drafter = lambda path, device, dtype: (drafter, dcfg)
+    return root, tcfg, dcfg
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a CPU dry run at toy shapes")
@@ -90,36 +129,11 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     from draftflow.core.tracing import configure_logging
-    from draftflow.layers.config import TargetConfig
-    from draftflow.plugins.dflash import plugin as dflash_plugin
-    from draftflow.plugins.dflash.config import DFlashConfig
-    from draftflow.plugins.dflash.model import DFlashModel
-    from draftflow.plugins.target import hf_loader
 
     configure_logging(verbose=False)
-    tcfg_d, dcfg_d = dict(gt.QWEN3_8B), dict(gd.DRAFTER_8B)
-    if a.tiny:
-        gt.DEV = "cpu"
-        tcfg_d = dict(gt.TINY, num_hidden_layers=4)
-        dcfg_d.update(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, num_target_layers=4,
-                      dflash_config={"mask_token_id": 511, "target_layer_ids": [1, 2]})
     batches = [int(x) for x in a.batches.split(",")]
     ks = [int(x) for x in a.ks.split(",")]
-    tcfg = TargetConfig.from_hf_dict(tcfg_d, "qwen3-8b-shape")
-    dcfg = DFlashConfig.from_hf_dict(dcfg_d, "dflash-b16-shape")
-    target = gt.build_model(tcfg, seed=0)
-    drafter = DFlashModel(dcfg, dtype=torch.bfloat16, device=gt.DEV).eval()
-    gen = torch.Generator(device=gt.DEV).manual_seed(1)
-    with torch.no_grad():
-        for name, prm in sorted(drafter.named_parameters()):
-            prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
-    root = Path(tempfile.mkdtemp())
-    for name, d in (("target", tcfg_d), ("drafter", dcfg_d)):
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(d))
-    hf_loader.load_hf = lambda path, device, dtype: hf_loader.LoadedTarget(target, tcfg, None, (), "random")
-    dflash_plugin.load_drafter = lambda path, device, dtype: (drafter, dcfg)
+    root, tcfg, dcfg = random_pair(a.tiny)
     common = {"device": gt.DEV, "dtype": "bfloat16", "max_context": 1024,
               "max_batch": max(batches)}
     plain = executor({**common, "num_draft": 0, "nodes": {
