@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--client", choices=("auto", "openai", "http"), default="auto",
                    help="auto: the openai client when installed, else plain HTTP")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="send N requests at the highest concurrency first, unmeasured (CUDA graphs, policy tables)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     from draftflow.core.tracing import configure_logging
@@ -205,6 +207,8 @@ def main(argv=None) -> int:
         if args.model is None:
             args.model = json.loads(get(url, "/v1/models", args.api_key))["data"][0]["id"]
         client = make_client(args.client, url, args.api_key)
+        if args.warmup:
+            run_level(url, argparse.Namespace(**{**vars(args), "requests": args.warmup}), max(args.concurrency), client)
         reports = [run_level(url, args, c, client) for c in args.concurrency]
     finally:
         if server is not None:

@@ -14,10 +14,13 @@ from __future__ import annotations
 from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, hookimpl
 from draftflow.plugins.policy.model import Acceptance, CycleCosts
 
+GRID = (0, 1, 3, 7, 15, 31, 63)  # K values chosen by default: few window widths, so few CUDA graphs to capture
 PARAMS = (
+    ParamSpec("ks", "int_list", [], "the K values it may choose (default: 0, 1, 3, 7, 15, 31, 63 up to num_draft, and "
+              "num_draft itself); each new window width costs a CUDA graph capture on the GPU", minimum=0),
     ParamSpec("explore_every", "int", 16, "re-measure a neighbouring K every this many cycles of a batch size (0: never)",
               minimum=0),
-    ParamSpec("step", "int", 2, "how far from the best K the re-measured neighbour lies", minimum=1),
+    ParamSpec("step", "int", 1, "how many grid places from the best K the re-measured neighbour lies", minimum=1),
 )
 
 
@@ -31,9 +34,11 @@ class AdaptiveK(Node):
         self.acceptance = Acceptance(max(ctx.num_draft, 1))
         self.costs = CycleCosts()
         self.cycles = 0
+        given = ctx.params.get("ks") or [k for k in GRID if k <= ctx.num_draft] + [ctx.num_draft]
+        self.grid = sorted({k for k in given if k <= ctx.num_draft} | {0})  # K = 0 is always allowed
 
     def choose_draft(self, batch) -> int:
-        k_max = batch.num_draft
+        k_max = max(k for k in self.grid if k <= batch.num_draft)  # the widest allowed K this cycle may use
         rows = [req for _, req in batch.active()]
         n = len(rows)
         measured = self.costs.measured(n)
@@ -51,7 +56,7 @@ class AdaptiveK(Node):
     def _best(self, rows, k_max: int) -> int:
         rates = [(self.acceptance.rates(r.request_id), r.num_draft) for r in rows]
         best, best_rate = 0, -1.0
-        for k in range(k_max + 1):
+        for k in (k for k in self.grid if k <= k_max):
             ms = self.costs.estimate(len(rows), k)
             tokens = sum(self.acceptance.expected(a, min(k, cap)) for a, cap in rates)
             rate = tokens / max(ms, 1e-6)
@@ -60,9 +65,10 @@ class AdaptiveK(Node):
         return best
 
     def _explore(self, n: int, best: int, k_max: int) -> int:
-        """The least recently measured of the best's neighbours and the two ends."""
-        step = self.ctx.params["step"]
-        options = {max(0, best - step), min(k_max, best + step), 0, k_max} - {best}
+        """The least recently measured of the best's neighbours on the grid (`step` places away) and the two ends."""
+        step, grid = self.ctx.params["step"], [k for k in self.grid if k <= k_max]
+        at = grid.index(best)
+        options = {grid[max(0, at - step)], grid[min(len(grid) - 1, at + step)], 0, k_max} - {best}
         return min(sorted(options), key=lambda k: self.costs.last_seen(n, k)) if options else best
 
     def observe(self, cost) -> None:
