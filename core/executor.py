@@ -204,6 +204,48 @@ class Executor:
         state.prefilled, state.ready = context, True
         return left
 
+    def prefill_many(self, states: list[ActiveRequest], budget: int | None = None) -> int:
+        """Prefill joining requests in order within ``budget`` prompt tokens (None: all); returns how many.
+
+        Those whose rest fits go together, one ``prefill_batch`` per node (the target: one batched
+        forward); the first that does not fit gets a ``prefill_step`` chunk of what is left of the
+        budget, and the rest wait. A failure frees every slot of the group and propagates.
+        """
+        group, used = [], 0
+        for state in states:
+            left = len(state.tokens) - 1 - state.prefilled
+            if budget is not None and used + left > budget:
+                if used < budget:
+                    used += self.prefill_step(state, budget - used)
+                break
+            group.append(state)
+            used += left
+        if len(group) == 1:
+            self.prefill_step(group[0])
+        elif group:
+            self._prefill_group(group)
+        return used
+
+    def _prefill_group(self, group: list[ActiveRequest]) -> None:
+        for state in group:
+            if state.ready or self._slots[state.slot] is not state:
+                raise ValueError(f"request {state.request_id!r} is not waiting for its prefill; step it or start it again")
+            if state.prefilled == 0:
+                state.prefill_marks = (self._timer.start(), None)
+        try:
+            for name in self.order:
+                for state, values in zip(group, self.nodes[name].prefill_batch(group), strict=True):
+                    for port, value in (values or {}).items():
+                        state.carried[(name, port)] = value
+        except BaseException:
+            for state in group:
+                self._release(state)
+            raise
+        end = self._timer.start()
+        for state in group:
+            state.prefill_marks = (state.prefill_marks[0], end)
+            state.prefilled, state.ready = len(state.tokens) - 1, True
+
     def step(self, states: list[ActiveRequest]) -> list[CycleResult]:
         """Run one draft -> verify -> accept -> commit cycle for all ``states`` at once; one host sync in all.
 

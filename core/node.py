@@ -223,6 +223,12 @@ class Node:
         carried output ports (this request's)."""
         return {}
 
+    def prefill_batch(self, reqs: list[RequestState]) -> list[dict[str, Any]]:
+        """Several joining requests' ``prefill`` at once (a scheduler admitting many short prompts); one dict of
+        carried values per request, in order. Default: ``prefill`` on each; the built-in target runs them as
+        one batched forward."""
+        return [self.prefill(req) for req in reqs]
+
     def prefill_chunk(self, req: RequestState, end: int) -> None:
         """Optional, for a node whose prefill is long (the target's forward over the prompt): bring slot
         ``req.slot`` to the prompt's first ``end`` tokens now, so that a long prompt joins a running batch

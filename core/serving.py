@@ -200,21 +200,20 @@ class Engine:
             self.live.append(cand)
 
     def _prefill(self) -> None:
-        """Prefill joining candidates in start order: up to ``prefill_budget`` prompt tokens while others decode."""
+        """Prefill joining candidates in start order, those that fit together in one batched prefill: up to
+        ``prefill_budget`` prompt tokens while others decode, all of them when nothing does."""
+        joining = [c for c in self.live if not c.state.ready]
+        if not joining:
+            return
         budget = self.prefill_budget if any(c.state.ready for c in self.live) else None
-        for cand in [c for c in self.live if not c.state.ready]:
-            if budget is not None and budget <= 0:
-                return
-            try:
-                used = self.executor.prefill_step(cand.state, budget)
-            except DraftflowError as exc:
-                self._fail(cand.req, 400, str(exc))
-                continue
-            except Exception as exc:  # noqa: BLE001 - only this prefill failed; its slot is free again
-                self._fail(cand.req, 500, self._internal(cand.req, exc))
-                continue
-            if budget is not None:
-                budget -= max(used, 1)
+        try:
+            self.executor.prefill_many([c.state for c in joining], budget)
+        except Exception as exc:  # noqa: BLE001 - only the joining requests whose prefill failed (slots freed)
+            held = {id(state) for state in self.executor.live()}
+            for cand in joining:
+                if id(cand.state) not in held:
+                    status = 400 if isinstance(exc, DraftflowError) else 500
+                    self._fail(cand.req, status, str(exc) if status == 400 else self._internal(cand.req, exc))
 
     def _cycle(self) -> None:
         """One batched cycle for every prefilled live candidate, then each one's deltas, stop strings and finish."""

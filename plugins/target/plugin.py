@@ -43,7 +43,7 @@ from draftflow.plugin import (
     kv_dim,
 )
 from draftflow.layers.config import TargetConfig, weight_bytes
-from draftflow.layers.kv_cache import KVCache
+from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 
 # Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
@@ -267,6 +267,61 @@ class Target(Node):
         if self.model.expert_cache is not None:  # cycle 0 reports its own window, not the prompt's
             self.expert_counts = self.model.expert_cache.counters()
         return {"features": Features(self.features[s:s + 1, :len(context)], 0)} if self.taps else {}
+
+    @torch.inference_mode()
+    def prefill_batch(self, reqs):
+        """Joining requests' prompts in batched forwards (groups of at most a scratch's worth of padded tokens,
+        similar lengths together); a hybrid target, or a request whose slot holds its earlier chunks, alone."""
+        out: dict[int, dict] = {}
+        batched = [r for r in reqs if self.linear is None and self.partial.get(r.slot) != r.request_id]
+        for req in reqs:
+            if req not in batched:
+                out[id(req)] = self.prefill(req)
+        limit = max(self.ctx.params["prefill_chunk"], self.ctx.max_batch * (self.ctx.num_draft + 1))
+        group: list = []
+        for req in sorted(batched, key=lambda r: len(r.tokens)):  # ascending: the last one sets the group's width
+            if group and (len(group) + 1) * (len(req.tokens) - 1) > limit:
+                self._prefill_rows(group, out)
+                group = []
+            group.append(req)
+        if group:
+            self._prefill_rows(group, out)
+        return [out[id(req)] for req in reqs]
+
+    def _prefill_rows(self, group: list, out: dict) -> None:
+        """One forward over the group's prompts, padded to the longest, in a scratch cache; then each row's K/V
+        and taps into its slot. Causal attention keeps padding out of every real token."""
+        contexts = [req.tokens[:-1] for req in group]
+        t = max(map(len, contexts))
+        if len(group) == 1 or t == 0:
+            for req in group:
+                out[id(req)] = self.prefill(req)
+            return
+        device = self.ctx.device
+        ids = torch.tensor([c + [0] * (t - len(c)) for c in contexts], dtype=torch.long, device=device)  # [G, T]
+        scratch = KVCache.from_static(torch.empty(static_shape(self.config, len(group), t), dtype=self.ctx.dtype,
+                                                  device=device))
+        chunk, tapped = self.ctx.params["prefill_chunk"], []
+        for start in range(0, t, chunk):
+            window = ids[:, start:start + chunk]
+            _, taps = self.model(window, start, scratch, logit_rows=0, tap_layers=self.taps)
+            scratch.commit(start + window.shape[1])
+            if taps is not None:
+                tapped.append(taps)  # [G, C, n_taps * H]
+        taps = torch.cat(tapped, dim=1) if tapped else None
+        for i, req in enumerate(group):
+            s, n = req.slot, len(contexts[i])
+            self.partial[s] = req.request_id
+            cache, _ = self._slot(s)
+            cache.crop(0)
+            cache.ensure(n)
+            self.cache.buffer[:, :, s, :n] = scratch.buffer[:, :, i, :n]
+            cache.commit(n)
+            if taps is not None:
+                self.features[s, :n] = taps[i, :n]
+            out[id(req)] = {"features": Features(self.features[s:s + 1, :n], 0)} if self.taps else {}
+        if self.model.expert_cache is not None:  # cycle 0 reports its own window, not the prompts'
+            self.expert_counts = self.model.expert_cache.counters()
 
     @torch.inference_mode()
     def prefill_chunk(self, req, end):

@@ -151,3 +151,44 @@ def test_a_long_prompt_joins_in_chunks_between_cycles(kind):
             if r.finish is not None:
                 got[r.request_id] = list(ex.finish(live.pop(r.request_id)).token_ids)
     assert [got["short"], got["long"]] == expected
+
+
+def drive(ex: Executor, states: dict) -> dict[str, list[int]]:
+    got = {}
+    while states:
+        for r in ex.step(list(states.values())):
+            if r.finish is not None:
+                got[r.request_id] = list(ex.finish(states.pop(r.request_id)).token_ids)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp", "lookup"])
+def test_joining_prompts_prefill_together(kind):
+    """prefill_many: six deferred prompts prefilled in one batched forward give each request its tokens alone."""
+    alone = build(kind, 1)
+    work = workload(alone, 6, seed=5)
+    expected = [list(alone.generate(p, s).token_ids) for p, s in work]
+    ex = build(kind, 8)
+    states = {str(i): ex.start(p, s, str(i), defer_prefill=True) for i, (p, s) in enumerate(work)}
+    assert ex.prefill_many(list(states.values())) == sum(len(p) - 1 for p, _ in work)
+    assert all(s.ready for s in states.values())
+    got = drive(ex, states)
+    assert [got[str(i)] for i in range(len(work))] == expected
+
+
+def test_prefill_many_keeps_to_its_budget():
+    """Within a budget: the prompts that fit go together, the next one gets what is left as a chunk, the rest wait."""
+    ex = build("dflash", 4)
+    tok = ex.handle.tokenizer
+    prompts = [tok.encode(PROMPTS[i]) for i in (0, 4, 2, 3)]
+    sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    states = [ex.start(p, sampling, str(i), defer_prefill=True) for i, p in enumerate(prompts)]
+    lefts = [len(p) - 1 for p in prompts]
+    budget = lefts[0] + lefts[1] + 2
+    assert ex.prefill_many(states, budget) == budget
+    assert [s.ready for s in states] == [True, True, False, False] and states[2].prefilled == 2 and not states[3].prefilled
+    while not all(s.ready for s in states):
+        ex.prefill_many([s for s in states if not s.ready], 3)
+    alone = build("dflash", 1)
+    got = drive(ex, {s.request_id: s for s in states})
+    assert [got[str(i)] for i in range(4)] == [list(alone.generate(p, sampling).token_ids) for p in prompts]

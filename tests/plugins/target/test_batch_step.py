@@ -145,3 +145,24 @@ def test_concurrent_greedy_requests_equal_each_alone(model_dirs, kind):
                 j = waiting.pop()
                 live.append((ex.start(PROMPTS[0][::-1], SamplingParams(max_new_tokens=budgets[j], ignore_eos=True)), j))
     assert [got[i] for i in range(5)] == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_prefill_equals_each_prompt_alone(model_dirs, kind):
+    """prefill_batch (one padded forward; a hybrid prefills each alone): every slot's K/V and taps, and the first
+    window's logits, as after that prompt's own prefill; the anchor windows then verify the same."""
+    path = model_dirs[kind]
+    target = executor(path, 4).nodes["target"]
+    reqs = [request(p, i) for i, p in enumerate(PROMPTS)]
+    out = target.prefill_batch(reqs)
+    assert target.cache.lengths == [len(p) - 1 for p in PROMPTS]
+    for req, values in zip(reqs, out):
+        single = executor(path, 1).nodes["target"]
+        ref = request(req.tokens, 0)
+        ref_values = single.prefill(ref)
+        n = len(req.tokens) - 1
+        assert_close_to_scale(target.cache.buffer[:, :, req.slot, :n], single.cache.buffer[:, :, 0, :n], 1e-5, "kv")
+        assert_close_to_scale(values["features"].hidden, ref_values["features"].hidden, 1e-5, "taps")
+    logits = target.step(Batch(reqs, 0), {"proposal": None})["logits"].logits
+    for i, req in enumerate(reqs):
+        assert_rows_match(logits[i:i + 1], alone(path, req.tokens, None), f"{kind} row {i}")
