@@ -33,9 +33,11 @@ def graph_text(name: str, device: str, taps: list[int]) -> str:
                    "  verify: {plugin: verifier}\n")
 
 
-def serve_child(name: str, tiny: bool, max_batch: int, port, ready) -> None:
+def serve_child(name: str, tiny: bool, max_batch: int, port, ready, switch: float | None = None) -> None:
     """In the server process: random models, the graph, `draftflow serve`'s server on a free port."""
     sys.path.insert(0, str(HERE))
+    if switch:
+        sys.setswitchinterval(switch)
     import threading
 
     import gpu_batch as gb
@@ -66,13 +68,15 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--tiny", action="store_true", help="a CPU dry run at toy shapes")
+    p.add_argument("--graphs", default="target-only,dflash-adaptive")
+    p.add_argument("--switch-interval", type=float, default=None, help="the server process's sys.setswitchinterval")
     a = p.parse_args()
     from draftflow.tools import load_test
 
     ctx = multiprocessing.get_context("spawn")
-    for name in ("target-only", "dflash-adaptive"):
+    for name in a.graphs.split(","):
         port, ready = ctx.Value("i", 0), ctx.Event()
-        child = ctx.Process(target=serve_child, args=(name, a.tiny, a.max_batch, port, ready), daemon=True)
+        child = ctx.Process(target=serve_child, args=(name, a.tiny, a.max_batch, port, ready, a.switch_interval), daemon=True)
         child.start()
         if not ready.wait(timeout=600):
             raise SystemExit(f"the {name} server did not start")
