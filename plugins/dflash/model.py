@@ -185,20 +185,7 @@ class DFlashModel(nn.Module):
         key = torch.arange(keys, device=block_pos.device)[None, :]  # [1, S]
         query = block_pos[:, None]  # [W, 1]
         written = (key <= block_pos[-1:, None]).expand(block_pos.shape[0], keys)  # [W, S]
-        by_kind, masks = {}, []
-        for i in range(cfg.num_layers):
-            causal = cfg.layer_is_causal(i)
-            span = cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None
-            if (causal, span) not in by_kind and exact and not causal and span is None:
-                by_kind[causal, span] = None
-            if (causal, span) not in by_kind:
-                visible = written & (key <= query) if causal else written
-                if span is not None:
-                    visible = visible & (query - key < span)
-                    if not causal:
-                        visible = visible & (key - query < span)
-                by_kind[causal, span] = fold_mask(visible, cfg.num_heads // cfg.num_kv_heads, dtype)
-            masks.append(by_kind[causal, span])
+        masks = layer_masks(cfg, written, key, query, dtype, no_full_mask=exact)
         return Window(context_pos, block_pos, masks, keys, block_pos.shape[0])
 
     def slots_window(self, context_pos: torch.Tensor, block_pos: torch.Tensor, last: torch.Tensor, keys: int,
@@ -216,19 +203,8 @@ class DFlashModel(nn.Module):
         key = torch.arange(keys, device=block_pos.device)[None, None, :]  # [1, 1, S]
         query = block_pos[:, :, None]  # [B, W, 1]
         written = (key <= last[:, None, None]).expand(*block_pos.shape, keys)  # [B, W, S]
-        by_kind, masks = {}, []
-        for i in range(cfg.num_layers):
-            causal = cfg.layer_is_causal(i)
-            span = cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None
-            if (causal, span) not in by_kind:
-                visible = written & (key <= query) if causal else written
-                if span is not None:
-                    visible = visible & (query - key < span)
-                    if not causal:
-                        visible = visible & (key - query < span)
-                by_kind[causal, span] = fold_mask(visible, cfg.num_heads // cfg.num_kv_heads, dtype)[:, None]
-            masks.append(by_kind[causal, span])
-        return Window(context_pos, block_pos, masks, keys, block_pos.shape[1])
+        masks = layer_masks(cfg, written, key, query, dtype)
+        return Window(context_pos, block_pos, [m[:, None] for m in masks], keys, block_pos.shape[1])
 
     def draft_slots(self, features: torch.Tensor, block: torch.Tensor | None, start: torch.Tensor,
                     num_new: torch.Tensor, last: torch.Tensor, kv: torch.Tensor, keys: int) -> torch.Tensor | None:
@@ -266,6 +242,34 @@ class DFlashModel(nn.Module):
         hidden = self(features, block, window, cache.buffer)
         cache.commit(start + c)
         return hidden
+
+
+def layer_masks(cfg: DFlashConfig, written: torch.Tensor, key: torch.Tensor, query: torch.Tensor,
+                dtype: torch.dtype | None, no_full_mask: bool = False) -> list[torch.Tensor | None]:
+    """One folded additive mask per layer, shared by the layers of a kind (causal or not, sliding or full).
+
+    A block row sees the cells in `written` (its context and block), causally and/or within the
+    sliding window as its layer says. `no_full_mask`: a full, non-causal layer gets None (the
+    keys end exactly at the block, so SDPA may use its mask-free kernels).
+    """
+    # written: [..., W, S] bool; key: [..., 1, S]; query: [..., W, 1]; masks: [..., G*W, S]
+    by_kind: dict = {}
+    masks = []
+    for i in range(cfg.num_layers):
+        causal = cfg.layer_is_causal(i)
+        span = cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None
+        if (causal, span) not in by_kind:
+            if no_full_mask and not causal and span is None:
+                by_kind[causal, span] = None
+            else:
+                visible = written & (key <= query) if causal else written
+                if span is not None:
+                    visible = visible & (query - key < span)
+                    if not causal:
+                        visible = visible & (key - query < span)
+                by_kind[causal, span] = fold_mask(visible, cfg.num_heads // cfg.num_kv_heads, dtype)
+        masks.append(by_kind[causal, span])
+    return masks
 
 
 def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype | None) -> torch.Tensor:
