@@ -7,6 +7,7 @@ import io
 import json
 
 import pytest
+from helpers import ROOT
 
 from draftflow.tools import load_test
 
@@ -17,7 +18,8 @@ def test_load_test_reports_each_concurrency():
     """Every level answers without errors through the openai client; percentiles are ordered; 32 clients batch."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = load_test.main(["--concurrency", "1,8,32", "--max-tokens", "6", "--requests", "32", "--json"])
+        code = load_test.main(["--graph", str(ROOT / "graphs" / "demo.yaml"), "--concurrency", "1,8,32", "--max-tokens", "6",
+                               "--requests", "32", "--warmup", "8", "--json"])
     report = json.loads(out.getvalue().splitlines()[-1])
     assert code == 0 and report["client"] == "openai"
     assert [level["concurrency"] for level in report["levels"]] == [1, 8, 32]
@@ -27,3 +29,4 @@ def test_load_test_reports_each_concurrency():
             assert level[key]["p50"] <= level[key]["p90"] <= level[key]["p99"]
         assert level["ttft_s"]["p50"] <= level["latency_s"]["p50"]
     assert report["levels"][0]["mean_batch"] == 1.0 and report["levels"][2]["mean_batch"] > 2
+    assert all(level["mean_acceptance_length"] > 1 for level in report["levels"])  # the demo's DFlash drafts are accepted
