@@ -23,12 +23,13 @@ from typing import Any
 import structlog
 import torch
 
-from draftflow.core.errors import ModelFormatError, OwnershipError, RequestError
+from draftflow.core.errors import ModelFormatError
 from draftflow.core.manifest import DTYPES
 from draftflow.core.node import Batch, CommitInfo, CycleCost, Node, NodeContext, SamplingParams
 from draftflow.core.plan import GraphPlan
-from draftflow.core.ports import TargetOutput, Verdict
 from draftflow.core.request import ActiveRequest, CycleResult, CycleTimer, Result, TokenLogprob, active_processors
+from draftflow.core.request_checks import buffer_versions, check_finite, check_writes, validate_request
+from draftflow.core.verdicts import cut_at_stop, read_verdicts
 from draftflow.core.target import TARGET_HANDLE, TargetHandle
 from draftflow.core.tracing import emit_cycle, emit_request
 
@@ -158,7 +159,7 @@ class Executor:
         """
         sampling = sampling or SamplingParams()
         prompt_ids = list(prompt_ids)
-        self._validate(prompt_ids, sampling)
+        validate_request(prompt_ids, sampling, self.handle.vocab_size, self.kv_tokens)
         if None not in self._slots:
             raise RuntimeError(f"all {self.max_batch} request slots are busy; finish a request first (free_slots is 0) "
                                "or raise the graph's max_batch")
@@ -274,7 +275,7 @@ class Executor:
             batch = Batch(rows, max(r.num_draft for r in states))
         try:
             values = self._run_nodes(batch)
-            verdicts = self._read_verdicts(batch, values)  # the cycle's one host sync
+            verdicts = read_verdicts(self.plan, self.verifier, batch, values)  # the cycle's one host sync
         except BaseException:
             self._drop_all()  # the nodes hold a half-run cycle: only new starts may follow
             raise
@@ -289,7 +290,7 @@ class Executor:
         for req in states:
             accepted, emitted, draft, logprobs = verdicts[req.slot]
             position, anchor = req.position, req.anchor
-            cut = self._cut(req, emitted)
+            cut = cut_at_stop(req, emitted)
             req.tokens.extend(cut)
             req.generated.extend(cut)
             if logprobs is not None:
@@ -400,124 +401,14 @@ class Executor:
             inputs = {e.dst_port: ([r.carried.get((e.src, e.src_port)) if r is not None else None for r in batch.rows]
                                    if e.carried else values.get((e.src, e.src_port)))
                       for e in self.plan.inputs_of(name)}
-            versions = self._versions(name) if self.debug else None
+            versions = buffer_versions(self.owned, name) if self.debug else None
             t0 = self._timer.start()
             out = self.nodes[name].step(batch, inputs) or {}
             self._timer.stop(self.roles[name], t0)
             if first and name == self.target:
-                self._check_finite(out, first)
+                check_finite(self.plan, self.target, out, first)
             if versions is not None:
-                self._check_writes(name, versions)
+                check_writes(self.plan, self.owned, name, versions)
             for port, value in out.items():
                 values[(name, port)] = value
         return values
-
-    def _read_verdicts(self, batch: Batch, values) -> dict[int, tuple[int, list[int], list[int], list | None]]:
-        """slot -> (accepted, emitted, drafts, logprobs) for every stepped row, from one packed device-to-host transfer.
-
-        ``logprobs`` is None unless the verdict carries them; then it holds one ``TokenLogprob`` per emitted token.
-        """
-        b = batch.size
-        verdict: Verdict = values[(self.verifier, "verdict")]
-        proposal = next((values.get((e.src, e.src_port)) for e in self.plan.inputs_of(self.verifier)
-                         if self.plan.nodes[self.verifier].manifest.input(e.dst_port).type == "proposal"), None)
-        width = verdict.emitted.shape[1]  # K + 1 for the K drafts actually proposed
-        # accepted [B], emitted [B, K+1] (-1 past the accepted run), drafts [B, K], lengths [B]: one int64 transfer
-        parts = [verdict.accepted[:b].to(torch.int64), verdict.emitted[:b].to(torch.int64).reshape(-1)]
-        k = 0
-        if proposal is not None and proposal.tokens.numel():
-            k = proposal.tokens.shape[1]
-            parts.append(proposal.tokens[:b].to(torch.int64).reshape(-1))
-            if proposal.lengths is not None:
-                parts.append(proposal.lengths[:b].to(torch.int64))
-        n = -1
-        if verdict.logprobs is not None:
-            # Logprobs ride the same transfer: everything as float64, exact for token ids (< 2**53).
-            n = verdict.top_ids.shape[-1]
-            parts = [p.to(torch.float64) for p in parts] + [
-                verdict.logprobs[:b].to(torch.float64).reshape(-1), verdict.top_ids[:b].to(torch.float64).reshape(-1),
-                verdict.top_logprobs[:b].to(torch.float64).reshape(-1)]
-        packed = torch.cat(parts).tolist()
-        lengths_at = b + b * width + b * k
-        has_lengths = k > 0 and proposal.lengths is not None
-        base = lengths_at + (b if has_lengths else 0)  # the logprob parts start here
-        out = {}
-        for i, req in batch.active():
-            accepted = int(packed[i])
-            real = min(int(packed[lengths_at + i]) if has_lengths else k, req.num_draft)
-            if not 0 <= accepted <= real:
-                node = self.plan.nodes[self.verifier].node_type.name
-                raise ModelFormatError(f"node '{self.verifier}' ({node}) accepted {accepted} drafts in row {i} of a cycle "
-                                       f"that proposed {real} there; a verifier must accept at most the row's drafts "
-                                       "(Proposal.lengths and the request's num_draft)")
-            emitted_row = [int(t) for t in packed[b + i * width:b + (i + 1) * width]]
-            draft = [int(t) for t in packed[b + b * width + i * k:b + b * width + i * k + real]]
-            emitted = [t for t in emitted_row[:accepted + 1] if t >= 0]
-            logprobs = None
-            if n >= 0 and req.sampling.logprobs is not None:  # rows that did not ask get none
-                chosen = packed[base + i * width:base + (i + 1) * width]
-                ids_at, lp_at = base + b * width + i * width * n, base + b * width + b * width * n + i * width * n
-                ids, lps = packed[ids_at:ids_at + width * n], packed[lp_at:lp_at + width * n]
-                top = min(n, req.sampling.logprobs or 0)  # N is the batch's largest; this request asked for `top`
-                logprobs = [TokenLogprob(tok, chosen[j], tuple((int(ids[j * n + c]), lps[j * n + c]) for c in range(top)))
-                            for j, tok in enumerate(emitted)]
-            out[i] = (accepted, emitted, draft, logprobs)
-        return out
-
-    @staticmethod
-    def _cut(req: ActiveRequest, emitted: list[int]) -> list[int]:
-        """The emitted tokens up to and including a stop token, and within max_new_tokens; sets ``finish_reason``."""
-        cut = []
-        for tok in emitted:
-            cut.append(tok)
-            if tok in req.stops:
-                req.finish_reason = "stop"
-                break
-            if len(req.generated) + len(cut) >= req.sampling.max_new_tokens:
-                req.finish_reason = "length"
-                break
-        return cut
-
-    def _validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty; pass --prompt TEXT or --prompt-ids 1,2,3")
-        vocab = self.handle.vocab_size
-        if vocab:
-            bad = [t for t in prompt_ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); fix the prompt ids")
-            bad = [t for t, _ in sampling.logit_bias if t >= vocab]
-            if bad:
-                raise RequestError(f"sampling field 'logit_bias' names token id {bad[0]}, outside the vocabulary "
-                                   f"[0, {vocab}); use token ids of this model's tokenizer")
-        limit = self.kv_tokens
-        need = len(prompt_ids) + sampling.max_new_tokens
-        if limit is not None and need > limit:
-            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {need} "
-                               f"exceeds the context of {limit} tokens; shorten the prompt or lower --max-new-tokens")
-
-    def _check_finite(self, out: dict[str, Any], rows: list[int]) -> None:
-        """Refuse NaN/inf target logits (corrupt weights, float16 overflow) instead of emitting garbage.
-
-        Checked on the first window of each request only (``rows``): one extra host sync per joining
-        request, none per cycle.
-        """
-        for value in out.values():
-            if isinstance(value, TargetOutput) and not bool(torch.isfinite(value.logits[rows]).all()):
-                node = self.plan.nodes[self.target]
-                path = node.params.get("path")
-                where = f"node '{self.target}' ({node.node_type.name}" + (f", {path})" if path else ")")
-                dtype = self.plan.spec.dtype
-                fix = "check the checkpoint's weights" + (", or run in --dtype bfloat16 or float32" if dtype == "float16" else "")
-                raise ModelFormatError(f"{where} produced NaN or infinite logits for the prompt: its weights are corrupt "
-                                       f"or overflow in {dtype}; {fix}")
-
-    # --- debug ownership ----------------------------------------------------------------
-    def _versions(self, name: str) -> dict[tuple[str, str], int]:
-        return {(owner, b): t._version for owner, bufs in self.owned.items() if owner != name for b, t in bufs.items()}
-
-    def _check_writes(self, name: str, before: dict[tuple[str, str], int]) -> None:
-        for (owner, b), version in before.items():
-            if self.owned[owner][b]._version != version:
-                raise OwnershipError(f"node '{name}' ({self.plan.nodes[name].node_type.name}) wrote buffer {b!r}, "
-                                     f"which is owned by '{owner}'; only the owner may write it")
