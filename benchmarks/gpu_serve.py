@@ -44,7 +44,8 @@ def serve_child(name: str, tiny: bool, max_batch: int, port, ready, switch: floa
     import gpu_target as gt
     from tokenizers import Tokenizer
 
-    from draftflow.core.server import DraftflowServer, ServeConfig, batch_overrides
+    from draftflow.core.serve_cli import batch_overrides
+    from draftflow.core.server import DraftflowServer, ServeConfig
     from draftflow.core.serving import Engine
     from draftflow.core.session import Session
     from draftflow.core.tracing import configure_logging

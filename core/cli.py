@@ -311,7 +311,7 @@ def cmd_serve(args) -> int:
 
     _absolute_paths(args)
     check_threads(args.threads)
-    from draftflow.core.server import run_serve
+    from draftflow.core.serve_cli import run_serve
 
     return run_serve(args)
 

@@ -156,7 +156,8 @@ def start_server(args):
     """Serve ``args.graph`` in this process on a free loopback port; returns the server (its url is server.url)."""
     from pathlib import Path
 
-    from draftflow.core.server import DraftflowServer, ServeConfig, batch_overrides
+    from draftflow.core.serve_cli import batch_overrides
+    from draftflow.core.server import DraftflowServer, ServeConfig
     from draftflow.core.serving import Engine
     from draftflow.core.session import Session
 

@@ -219,7 +219,7 @@ def test_serve_checks_graph_before_listening(toy_env):
 def test_max_batch_flag(tmp_path):
     """--max-batch sets the graph's max_batch; without it a graph that sets none is served with 'auto'; a bad value is
     one error line before anything loads."""
-    from draftflow.core.server import batch_overrides
+    from draftflow.core.serve_cli import batch_overrides
 
     assert batch_overrides(GRAPH, [], None)[-1][1] == "max_batch=auto"
     assert batch_overrides(GRAPH, ["max_batch=3"], None) == ["max_batch=3"]
