@@ -1,23 +1,29 @@
-"""Convert an HF qwen3 / llama / qwen2 checkpoint directory to a llama.cpp GGUF file.
+"""Convert an HF qwen3 / llama / qwen2 / qwen3_moe checkpoint directory to a llama.cpp GGUF file.
 
-Names, metadata keys and layouts follow llama.cpp's `convert_hf_to_gguf.py`, so the
-output runs in llama.cpp and loads back through `draftflow.plugins.target.gguf_loader`:
-llama's attn_q / attn_k rows are permuted to llama.cpp's interleaved RoPE layout, llama3
-RoPE scaling becomes a `rope_freqs.weight` tensor, norms and other 1-D tensors stay F32.
+Names, metadata keys, layouts and per-tensor types follow llama.cpp, so the output runs in
+llama.cpp and loads back through `draftflow.plugins.target.gguf_loader`: llama's attn_q /
+attn_k rows are permuted to llama.cpp's interleaved RoPE layout, llama3 RoPE scaling
+becomes a `rope_freqs.weight` tensor.
 
-    python -m draftflow.tools.convert_gguf HF_DIR OUT.gguf --dtype q8_0
+    python -m draftflow.tools.convert_gguf HF_DIR OUT.gguf --outtype q8_0
 
-The whole model is read into CPU memory first (float32, or bf16 for --dtype bf16).
+Which tensors get `--outtype` is what llama.cpp decides: 1-D tensors (norms, biases) and
+the MoE router `ffn_gate_inp` are always F32; a row that is not whole quantization blocks
+falls back to F16 (`convert_hf_to_gguf.py`). f32/f16/bf16/q8_0 write what
+`convert_hf_to_gguf.py --outtype` writes. q4_0/q4_1/q5_0/q5_1 are what
+`llama-quantize F16.gguf OUT.gguf Q4_0` writes, except the output head (`output.weight`,
+or `token_embd.weight` when tied): llama-quantize stores it Q6_K, which the `gguf` package
+cannot quantize, so it goes out Q8_0 (a little larger, at least as accurate).
+
+The whole model is read into CPU memory first (float32, or bf16 for --outtype bf16).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import gguf
 import torch
@@ -25,23 +31,36 @@ import torch
 from draftflow.layers.config import TargetConfig
 from draftflow.core.errors import ModelFormatError
 from draftflow.layers.gguf_names import hf_to_gguf_name
-from draftflow.plugins.target.gguf_loader import PRE_TOKENIZER_REGEX, llama_permute
+from draftflow.plugins.target.gguf_loader import llama_permute
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.layers.rope import llama3_freq_factors
 from draftflow.layers.gguf_names import GGUF_ARCHS, merged_name, write_moe_metadata
+from draftflow.tools.gguf_tokenizer import write_tokenizer
 
-DTYPES = ("f32", "f16", "bf16", "q8_0")
+_Q = gguf.GGMLQuantizationType
+QUANTIZED = {"q8_0": _Q.Q8_0, "q4_0": _Q.Q4_0, "q4_1": _Q.Q4_1, "q5_0": _Q.Q5_0, "q5_1": _Q.Q5_1}
+DTYPES = ("f32", "f16", "bf16", *QUANTIZED)
 _FILE_TYPE = {
     "f32": gguf.LlamaFileType.ALL_F32,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
 }
+EPILOG = """\
+k-quants (Q4_K_M, Q5_K_M, Q6_K, ...) and IQ types: the gguf package has no quantizer for
+them. Convert to F16 (or BF16) with draftflow, then quantize with llama.cpp's llama-quantize:
+  python -m draftflow.tools.convert_gguf HF_DIR model-f16.gguf --outtype f16
+  llama-quantize model-f16.gguf model-Q4_K_M.gguf Q4_K_M
+"""
 
 
 def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], dtype: str = "f32",
                        expert_layout: str = "merged") -> None:
-    """Write `out_path` (GGUF) from the HF directory `hf_dir`, storing 2-D weights as `dtype`.
+    """Write `out_path` (GGUF) from the HF directory `hf_dir`, storing weight matrices as `dtype` (see DTYPES).
 
     MoE experts go out merged per layer (`ffn_*_exps`, what llama.cpp writes today) or, with
     `expert_layout="per-expert"`, one tensor per expert (`ffn_gate.J`, older llama.cpp files).
@@ -56,7 +75,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     _write_metadata(writer, cfg, dtype, arch)
     if cfg.moe_layers:
         write_moe_metadata(writer, arch, cfg)
-    _write_tokenizer(writer, Path(hf_dir) / "tokenizer.json", cfg, loaded.eos_ids)
+    write_tokenizer(writer, Path(hf_dir) / "tokenizer.json", cfg.vocab_size, cfg.bos_token_id, loaded.eos_ids)
     for name, tensor in loaded.model.state_dict().items():
         if name == "inv_freq":
             continue
@@ -65,7 +84,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
             tensor = llama_permute(tensor, cfg.num_heads)
         elif cfg.arch == "llama" and ".self_attn.k_proj." in hf_name:
             tensor = llama_permute(tensor, cfg.num_kv_heads)
-        _add_tensor(writer, hf_to_gguf_name(hf_name), tensor, dtype)
+        gname = hf_to_gguf_name(hf_name)
+        _add_tensor(writer, gname, tensor, _tensor_dtype(gname, dtype, cfg.tie_word_embeddings))
     if cfg.moe_layers:
         _add_experts(writer, loaded.model.host_experts, cfg, dtype, expert_layout)
     if cfg.rope_scaling is not None:  # llama3: llama.cpp divides each frequency by these factors
@@ -99,76 +119,25 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: TargetConfig, dtype: str, arch
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def _tensor_dtype(name: str, dtype: str, tied: bool) -> str:
+    """The output head goes Q8_0 under the 4/5-bit types (llama-quantize: Q6_K, which gguf cannot write)."""
+    head = name == "output.weight" or (tied and name == "token_embd.weight")
+    return "q8_0" if head and dtype in QUANTIZED else dtype
+
+
 def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, dtype: str) -> None:
-    # 1-D tensors (norms, biases) stay F32, as llama.cpp keeps them.
-    if tensor.dim() == 1 or dtype == "f32":
+    # llama.cpp keeps 1-D tensors (norms, biases), the MoE router and non-`.weight` tensors F32.
+    if (tensor.dim() == 1 or dtype == "f32" or name.endswith("_norm.weight") or not name.endswith(".weight")
+            or name.endswith(".ffn_gate_inp.weight")):
         writer.add_tensor(name, tensor.float().numpy())
     elif dtype == "bf16":
         bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-        writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-    elif dtype == "q8_0" and tensor.shape[-1] % 32 == 0:
-        q = gguf.quants.quantize(tensor.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    else:  # f16, or a Q8_0 row length that is not whole blocks (llama.cpp falls back the same way)
+        writer.add_tensor(name, bits, raw_dtype=_Q.BF16)
+    elif dtype in QUANTIZED and tensor.shape[-1] % gguf.GGML_QUANT_SIZES[QUANTIZED[dtype]][0] == 0:
+        q = gguf.quants.quantize(tensor.float().numpy(), QUANTIZED[dtype])
+        writer.add_tensor(name, q, raw_dtype=QUANTIZED[dtype])
+    else:  # f16, or a row that is not whole blocks (llama.cpp's converter falls back to F16 the same way)
         writer.add_tensor(name, tensor.to(torch.float16).numpy())
-
-
-def _write_tokenizer(writer: gguf.GGUFWriter, file: Path, cfg: TargetConfig, eos_ids: tuple[int, ...]) -> None:
-    """Embed a byte-level BPE tokenizer.json as llama.cpp's `gpt2` tokenizer model."""
-    if cfg.bos_token_id is not None:
-        writer.add_bos_token_id(cfg.bos_token_id)
-    if eos_ids:
-        writer.add_eos_token_id(eos_ids[0])
-    if len(eos_ids) > 1:  # llama.cpp has one eos; a second stop token goes in as end-of-turn
-        writer.add_eot_token_id(eos_ids[1])
-    if not file.exists():
-        return
-    spec = json.loads(file.read_text(encoding="utf-8"))
-    model, pre = spec.get("model") or {}, _pre_name(spec.get("pre_tokenizer"))
-    if model.get("type") != "BPE" or pre is None:
-        return  # not byte-level BPE: leave the tokenizer out rather than embed a wrong one
-    vocab: dict[str, int] = dict(model["vocab"])
-    special: dict[int, bool] = {}
-    for added in spec.get("added_tokens") or []:
-        vocab[added["content"]] = added["id"]
-        special[added["id"]] = bool(added.get("special"))
-    size = max(cfg.vocab_size, max(vocab.values()) + 1)
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    types = [gguf.TokenType.UNUSED] * size
-    for text, i in vocab.items():
-        tokens[i] = text
-        types[i] = gguf.TokenType.NORMAL
-    for i, is_special in special.items():
-        types[i] = gguf.TokenType.CONTROL if is_special else gguf.TokenType.USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([int(t) for t in types])
-    if merges:
-        writer.add_token_merges(merges)
-    writer.add_add_bos_token(_adds_bos(spec))
-
-
-def _pre_name(pre: dict[str, Any] | None) -> str | None:
-    """llama.cpp pre-tokenizer name for a tokenizer.json pre_tokenizer, or None if unknown."""
-    if not pre:
-        return None
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"
-    if pre.get("type") != "Sequence":
-        return None
-    steps = pre.get("pretokenizers") or []
-    if len(steps) != 2 or steps[1].get("type") != "ByteLevel" or steps[0].get("type") != "Split":
-        return None
-    pattern = (steps[0].get("pattern") or {}).get("Regex")
-    return next((name for name, regex in PRE_TOKENIZER_REGEX.items() if regex == pattern), None)
-
-
-def _adds_bos(spec: dict[str, Any]) -> bool:
-    post = spec.get("post_processor") or {}
-    steps = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
-    return any(s.get("type") == "TemplateProcessing" and s.get("single", [{}])[0].get("SpecialToken") for s in steps)
 
 
 def _add_experts(writer: gguf.GGUFWriter, host, cfg: TargetConfig, dtype: str, layout: str) -> None:
@@ -186,11 +155,14 @@ def _add_experts(writer: gguf.GGUFWriter, host, cfg: TargetConfig, dtype: str, l
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: `python -m draftflow.tools.convert_gguf HF_DIR OUT.gguf --dtype q8_0`."""
-    parser = argparse.ArgumentParser(prog="python -m draftflow.tools.convert_gguf", description=__doc__.split("\n")[0])
+    """CLI: `python -m draftflow.tools.convert_gguf HF_DIR OUT.gguf --outtype q8_0`."""
+    parser = argparse.ArgumentParser(prog="python -m draftflow.tools.convert_gguf", description=__doc__.split("\n")[0],
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hf_dir", help="HF checkpoint directory (config.json + safetensors)")
     parser.add_argument("out", help="output .gguf path")
-    parser.add_argument("--dtype", choices=DTYPES, default="f32", help="storage type of 2-D weights")
+    parser.add_argument("--outtype", "--dtype", dest="dtype", choices=DTYPES, default="f32",
+                        metavar="TYPE", help=f"storage type of the weight matrices: {', '.join(DTYPES)} (default f32; "
+                        "norms and the MoE router stay F32; q4_*/q5_* write the output head Q8_0)")
     parser.add_argument("--expert-layout", choices=("merged", "per-expert"), default="merged",
                         help="MoE: llama.cpp's merged ffn_*_exps tensors, or one tensor per expert")
     args = parser.parse_args(argv)
