@@ -15,7 +15,8 @@ falls back to F16 (`convert_hf_to_gguf.py`). f32/f16/bf16/q8_0 write what
 or `token_embd.weight` when tied): llama-quantize stores it Q6_K, which the `gguf` package
 cannot quantize, so it goes out Q8_0 (a little larger, at least as accurate).
 
-The whole model is read into CPU memory first (float32, or bf16 for --outtype bf16).
+The whole model is read into CPU memory first, in float32 (4 bytes per weight), so the tensors
+kept F32 hold the checkpoint's exact values whatever --outtype, as llama.cpp's do.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
-    # bf16 checkpoints round-trip exactly through bf16; everything else goes via float32.
-    loaded = load_hf(hf_dir, "cpu", torch.bfloat16 if dtype == "bf16" else torch.float32)
+    # float32 holds every checkpoint dtype exactly; matrices are rounded once, when written.
+    loaded = load_hf(hf_dir, "cpu", torch.float32)
     cfg = loaded.config
     arch = {v: k for k, v in GGUF_ARCHS.items()}.get(cfg.arch, cfg.arch)  # qwen3_moe -> qwen3moe
     writer = gguf.GGUFWriter(str(out_path), arch)
