@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from draftflow.core.budget import fmt_bytes
 from draftflow.core.plan import GraphPlan
 from draftflow.core.plotting import check_image_output, pyplot, save_figure
+from draftflow.layers.gguf_quants import weight_lines
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -40,6 +43,9 @@ def render_plan(plan: GraphPlan) -> str:
             lines.append(f"  request slots: {v.batch} ({v.batch_reason}){fits}")
         if v.experts is not None:
             lines.append("  " + expert_cache_line(plan))
+    for n in plan.by_role("target"):  # a GGUF target: its tensor types per group, dequantized at load
+        path = getattr(plan.nodes[n].manifest.target, "path", "")
+        lines += ["  " + line for line in weight_lines(path, getattr(torch, spec.dtype))]
     return "\n".join(lines)
 
 

@@ -3,7 +3,10 @@
 GGUF stores dims reversed (ne[0] is the last torch dim); the reader already hands back
 numpy-ordered views, so only the *reported* shape needs reversing. llama.cpp's converter
 permutes llama's attn_q / attn_k rows into its interleaved RoPE layout; we undo that so
-the model keeps the HF half-split layout. Q8_0 is dequantized at load time.
+the model keeps the HF half-split layout. Every supported type (layers/gguf_quants.py:
+F32/F16/BF16, Q8_0, Q4_0..Q5_1, Q2_K..Q6_K, IQ4_NL/IQ4_XS, so Q4_K_M-style mixes) is
+dequantized at load to the graph's dtype; the header's types and byte spans are checked
+before any tensor view is built.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import os
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from draftflow.layers.config import RopeScaling, TargetConfig, expected_tensors
@@ -22,10 +26,10 @@ from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor
 from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_name, merged_views
+from draftflow.layers.gguf_quants import FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize, type_name
 
 SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
-_Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # 32 int8 weights + one fp16 scale
+log = structlog.get_logger("draftflow")
 
 # Pre-tokenizer regexes for llama.cpp `tokenizer.ggml.pre` names we can rebuild exactly.
 PRE_TOKENIZER_REGEX = {
@@ -53,7 +57,7 @@ def read_gguf_config(path: str | os.PathLike[str]) -> TargetConfig:
 
 
 def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LoadedTarget:
-    """Load config, weights (F32/F16/BF16/Q8_0) and the embedded tokenizer from a GGUF file."""
+    """Load config, weights (any of gguf_quants.SUPPORTED_TYPES, dequantized to `dtype`) and the embedded tokenizer."""
     source = str(path)
     reader = _open(path)
     cfg = _config(reader, source)
@@ -64,12 +68,6 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # consumed by the config (llama3 RoPE factors)
             continue
-        kind = GGMLQuantizationType(t.tensor_type).name
-        if kind not in SUPPORTED_TYPES:
-            raise ModelFormatError(
-                f"{source}: tensor {t.name!r} has type {kind}; expected one of {', '.join(SUPPORTED_TYPES)}; "
-                "re-convert with --dtype f32, f16, bf16 or q8_0"
-            )
         hf = to_hf.get(t.name, t.name)
         found[hf] = tuple(int(d) for d in reversed(t.shape))  # ne order -> torch order
         names[hf] = t.name
@@ -82,25 +80,31 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
     check_tensors(found, cfg, source, names={**{hf: g for g, hf in to_hf.items()}, **names})
 
     model = TargetModel(cfg, dtype=dtype, device="meta")
+    loaded = {id(t): t for t in (v[0] if type(v) is tuple else v for v in tensors.values())}
+    progress = DequantProgress(sum(int(t.n_elements) for t in loaded.values() if type_name(t.tensor_type) not in FLOAT_TYPES),
+                               f"dequantizing {os.path.basename(source)} to {str(dtype).removeprefix('torch.')}")
     state, last = {}, (None, None)
     for hf in expected_tensors(cfg):
         where = "cpu" if is_expert_tensor(hf) else device  # MoE experts stay on the host
         if type(tensors[hf]) is tuple:  # one expert of a merged tensor (ReaderTensor is a NamedTuple)
             t, shape, j = tensors[hf]
             if last[0] is not t:
-                last = (t, _dequantize(t, shape, where, source))
-            w = last[1][j].to(dtype)
+                last = (t, dequantize(t, shape, where, dtype, _counted(t, progress)))
+            w = last[1][j]
         else:
-            w = _dequantize(tensors[hf], found[hf], where, source).to(dtype)
+            w = dequantize(tensors[hf], found[hf], where, dtype, _counted(tensors[hf], progress))
         if cfg.arch == "llama" and ".self_attn.q_proj." in hf:
             w = llama_unpermute(w, cfg.num_heads)
         elif cfg.arch == "llama" and ".self_attn.k_proj." in hf:
             w = llama_unpermute(w, cfg.num_kv_heads)
         state[hf.removeprefix("model.")] = w
+    progress.close()
     if cfg.moe_layers:
         model.host_experts = HostExperts.pop_from_state(state, cfg, pin=torch.device(device).type == "cuda")
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
+    if torch.device(device).type == "cuda":
+        _warn_dequantized(loaded.values(), dtype, source)
     eos = tuple(
         v for k in ("eos_token_id", "eot_token_id", "eom_token_id")
         if (v := _value(reader, f"tokenizer.ggml.{k}")) is not None
@@ -108,12 +112,44 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
     return LoadedTarget(model, cfg, gguf_tokenizer(reader), tuple(dict.fromkeys(eos)), source)
 
 
-def _open(path: str | os.PathLike[str]) -> GGUFReader:
+def _counted(t: Any, progress: DequantProgress) -> DequantProgress | None:
+    """The progress bar counts dequantized weights only (float tensors are a copy)."""
+    return None if type_name(t.tensor_type) in FLOAT_TYPES else progress
+
+
+def _warn_dequantized(tensors, dtype: torch.dtype, source: str) -> None:
+    """One line: quantized GGUF weights on a GPU cost their dequantized size until quantized kernels exist."""
+    quantized = [t for t in tensors if type_name(t.tensor_type) not in FLOAT_TYPES]
+    if quantized:
+        kinds = ", ".join(sorted({type_name(t.tensor_type) for t in quantized}))
+        in_file = sum(int(t.n_bytes) for t in quantized)
+        on_device = sum(int(t.n_elements) for t in quantized) * dtype.itemsize
+        log.warning(f"{source}: {kinds} weights are dequantized at load: {in_file / 2**30:.2f} GiB in the file take "
+                    f"{on_device / 2**30:.2f} GiB of {str(dtype).removeprefix('torch.')} on the GPU; kernels that "
+                    "keep GGUF weights quantized on the GPU are not built yet (issue 20 item 2)")
+
+
+class _CheckedReader(GGUFReader):
+    """A GGUFReader that checks every tensor's type and byte span (gguf_quants.check_layout) before building views."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.source = str(path)
+        # 'c' (copy-on-write) gives writable views, so torch.from_numpy shares memory without warnings.
+        super().__init__(path, "c")
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        self.infos = [TensorInfo.from_field(f, start_offs) for f in fields]
+        check_layout(self.infos, start_offs, int(self.alignment), len(self.data), self.source)
+        super()._build_tensors(start_offs, fields)
+
+
+def _open(path: str | os.PathLike[str]) -> _CheckedReader:
     if not os.path.exists(path):
         raise ModelFormatError(f"{path}: file is missing; expected a GGUF file; check the path")
     try:
-        # 'c' (copy-on-write) gives writable views, so torch.from_numpy shares memory without warnings.
-        return GGUFReader(path, "c")
+        return _CheckedReader(path)
+    except ModelFormatError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, ... on bad bytes
         raise ModelFormatError(
             f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); expected a complete GGUF v3 file; "
@@ -181,24 +217,6 @@ def _config(reader: GGUFReader, source: str) -> TargetConfig:
         source=source,
         **moe,
     )
-
-
-def _dequantize(t: Any, shape: tuple[int, ...], device: torch.device | str, source: str) -> torch.Tensor:
-    """One GGUF tensor -> torch tensor of `shape` on `device` (float32 for Q8_0, else stored dtype)."""
-    kind = GGMLQuantizationType(t.tensor_type)
-    try:
-        raw = torch.from_numpy(np.ascontiguousarray(t.data))
-    except Exception as exc:  # noqa: BLE001 - a short file gives a short view
-        raise ModelFormatError(f"{source}: tensor {t.name!r} data cannot be read ({exc}); re-convert it") from exc
-    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return raw.to(device).reshape(shape)
-    if kind == GGMLQuantizationType.BF16:  # bytes [..., 2n] -> bf16 [..., n]
-        return raw.to(device).view(torch.bfloat16).reshape(shape)
-    # Q8_0: dequantize on the device so only the compact bytes cross the bus.
-    blocks = raw.to(device).reshape(-1, _Q8_0_BYTES)  # [n_blocks, 34]
-    scale = blocks[:, :2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
-    quants = blocks[:, 2:].contiguous().view(torch.int8).float()  # [n_blocks, 32]
-    return (quants * scale).reshape(shape)
 
 
 def gguf_tokenizer(reader: GGUFReader) -> Tokenizer | None:

@@ -6,6 +6,7 @@ import json
 import os
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -91,30 +92,32 @@ def test_missing_weights_file(hf_dir):
 
 
 def test_unsupported_gguf_type(hf_dir, tmp_path, monkeypatch):
-    """A Q4_0 tensor in a GGUF file is refused naming the type and the tensor."""
+    """An IQ1_S tensor in a GGUF file is refused naming the tensor, the type and the supported types."""
     _, path = hf_dir("qwen3")
     original = convert_gguf._add_tensor
 
-    def q4_for_one(writer, name, tensor, dtype):
+    def iq1_for_one(writer, name, tensor, dtype):
         if name != "blk.0.ffn_up.weight":
             return original(writer, name, tensor, dtype)
-        q = gguf.quants.quantize(tensor.float().numpy(), gguf.GGMLQuantizationType.Q4_0)
-        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        blocks = np.zeros((tensor.shape[0], gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ1_S][1]), np.uint8)
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.IQ1_S)
 
-    monkeypatch.setattr(convert_gguf, "_add_tensor", q4_for_one)
+    monkeypatch.setattr(convert_gguf, "_add_tensor", iq1_for_one)
     convert_gguf.convert_hf_to_gguf(path, tmp_path / "m.gguf", "f16")
-    with pytest.raises(ModelFormatError, match=r"m.gguf: tensor 'blk.0.ffn_up.weight' has type Q4_0; expected one "
-                       r"of F32, F16, BF16, Q8_0; re-convert"):
+    with pytest.raises(ModelFormatError, match=r"m.gguf: tensor 'blk.0.ffn_up.weight' has type IQ1_S, which draftflow "
+                       r"does not read; expected one of F32, F16, BF16, Q8_0, Q4_0, .*, IQ4_XS; re-quantize") as exc:
         load_gguf(tmp_path / "m.gguf", "cpu", torch.float32)
+    _single_line(exc)
 
 
 def test_truncated_gguf(hf_dir, tmp_path):
-    """A truncated GGUF file is reported by file name as truncated or corrupt."""
+    """A GGUF file cut inside its tensor data names the tensor that runs past the end."""
     _, path = hf_dir("qwen3")
     convert_gguf.convert_hf_to_gguf(path, tmp_path / "m.gguf", "q8_0")
     file = tmp_path / "m.gguf"
     os.truncate(file, file.stat().st_size - 64)
-    with pytest.raises(ModelFormatError, match=r"m.gguf: not a readable GGUF file .*truncated or corrupt") as exc:
+    with pytest.raises(ModelFormatError, match=r"m.gguf: tensor '[\w.]+' \(\w+, shape \[.*\]\) needs bytes \d+..\d+ but "
+                       r"the file ends at byte \d+; the file is truncated or corrupt") as exc:
         load_gguf(file, "cpu", torch.float32)
     _single_line(exc)
 
