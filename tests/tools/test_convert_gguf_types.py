@@ -7,12 +7,14 @@ import re
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from helpers import ROOT
 from safetensors.torch import load_file
 
 from draftflow.layers.gguf_names import hf_to_gguf_name
+from draftflow.plugins.target.gguf_loader import load_gguf
 from draftflow.tools.convert_gguf import main
 from draftflow.tools.tiny_model import write_tiny_model
 
@@ -48,7 +50,7 @@ def _sources(hf_dir) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("outtype", QUANTIZED)
 def test_each_tensor_gets_llama_cpps_type_and_gguf_quantizer_bytes(models, tmp_path, outtype):
-    """Matrices in the type (bytes = gguf's quantizer on the source), norms F32, head Q8_0, ragged rows F16."""
+    """Matrices in the type (bytes = gguf's quantizer on the source), norms F32, head Q8_0, ragged rows F16; it loads."""
     reader = _convert(models["dense"], tmp_path / "m.gguf", outtype)
     assert reader.get_field("general.file_type").contents() == FILE_TYPE[outtype]
     src, qtype = _sources(models["dense"]), QUANTIZED[outtype]
@@ -69,6 +71,10 @@ def test_each_tensor_gets_llama_cpps_type_and_gguf_quantizer_bytes(models, tmp_p
             assert np.array_equal(np.asarray(t.data), gguf.quants.quantize(src[t.name], want)), t.name
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert embd.tensor_type == qtype  # llama-quantize quantizes an untied embedding like any matrix
+    stored = {t.name: t for t in reader.tensors}
+    for name, w in load_gguf(tmp_path / "m.gguf", "cpu", torch.float32).model.named_parameters():
+        t = stored[hf_to_gguf_name(name if name.startswith("lm_head.") else "model." + name)]
+        assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())), name  # it loads
 
 
 @pytest.mark.parametrize("outtype", ["q4_0", "q5_1"])
