@@ -1,11 +1,11 @@
 """What the adaptive draft-length policy knows: acceptance per draft position, and cycle cost per (batch, K).
 
-Acceptance: for every request, the conditional acceptance of draft position j (accepted
+Acceptance: for every request and K, the conditional acceptance of draft position j (accepted
 given positions 1..j-1 were), counted from its commits with exponential forgetting, and
 shrunk towards the same rates over all requests (a new request starts from those).
 Expected tokens a row emits in a cycle of K drafts: ``1 + sum_{j<=K} prod_{i<=j} a_i``.
 
-Cost: the measured wall time of whole cycles, an exponential average per (batch bucket,
+Cost: the measured wall time of whole cycles, the median of the last few per (batch bucket,
 K); a K not measured at a bucket is interpolated linearly between the nearest measured K
 on either side (held flat past the last one).
 """
@@ -13,10 +13,12 @@ on either side (held flat past the last one).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 PRIOR_WEIGHT = 4.0  # a request's own counts weigh this many trials against the all-request rates
 FORGET = 0.95  # per commit: a request's counts decay, so its recent acceptance counts most
-COST_ALPHA = 0.25  # weight of a new measurement in a (bucket, K) average
+COST_SAMPLES = 9  # a (bucket, K) cost is the median of its last this many cycles
 
 
 def bucket(batch: int) -> int:
@@ -25,36 +27,49 @@ def bucket(batch: int) -> int:
 
 
 class Acceptance:
-    """Conditional acceptance of draft positions 1..K, per request and over all requests."""
+    """Conditional acceptance of draft positions 1..K, per request and over all requests, kept per K.
+
+    Kept per K because a block drafter's drafts depend on the block it drafts (DFlash attends
+    its block non-causally): the first 3 drafts of an 8-row block are accepted more often than
+    those of a 4-row block. A K not tried yet borrows the rates pooled over every K.
+    """
 
     def __init__(self, max_draft: int):
         self.max_draft = max_draft
-        self.total = [[0.0, 0.0] for _ in range(max_draft)]  # position j: [accepted, trials] over all requests
-        self.own: dict[str, list[list[float]]] = {}
+        self.total: dict[int | None, list[list[float]]] = {None: self._empty()}  # K (None: every K) -> per position
+        self.own: dict[tuple[str, int], list[list[float]]] = {}  # (request, K) -> per position [accepted, trials]
+
+    def _empty(self) -> list[list[float]]:
+        return [[0.0, 0.0] for _ in range(self.max_draft)]
 
     def update(self, request_id: str, num_draft: int, accepted: int) -> None:
         """A cycle drafted `num_draft` and the verifier accepted the first `accepted` of them."""
-        own = self.own.setdefault(request_id, [[0.0, 0.0] for _ in range(self.max_draft)])
+        own = self.own.setdefault((request_id, num_draft), self._empty())
         for counts in own:
             counts[0] *= FORGET
             counts[1] *= FORGET
+        total = self.total.setdefault(num_draft, self._empty())
         for j in range(min(accepted + 1, num_draft, self.max_draft)):  # positions tried: up to the first rejection
             hit = 1.0 if j < accepted else 0.0
-            for counts in (own[j], self.total[j]):
+            for counts in (own[j], total[j], self.total[None][j]):
                 counts[0] += hit
                 counts[1] += 1.0
 
     def forget(self, request_id: str) -> None:
-        self.own.pop(request_id, None)
+        for key in [key for key in self.own if key[0] == request_id]:
+            del self.own[key]
 
-    def rates(self, request_id: str) -> list[float]:
-        """a_j for j = 1..max_draft: the request's own counts shrunk towards the all-request rate."""
-        own = self.own.get(request_id)
+    def rates(self, request_id: str, k: int | None = None) -> list[float]:
+        """a_j for j = 1..max_draft at K = k: the request's own counts shrunk towards the all-request rate."""
+        own = self.own.get((request_id, k))
+        at_k = self.total.get(k)
         out = []
-        for j, (hits, trials) in enumerate(self.total):
-            prior = (hits + 1.0) / (trials + 2.0)  # Laplace: 1/2 before anything is seen
-            if own is not None:
-                prior = (own[j][0] + PRIOR_WEIGHT * prior) / (own[j][1] + PRIOR_WEIGHT)
+        for j in range(self.max_draft):
+            hits, trials = self.total[None][j]
+            prior = (hits + 1.0) / (trials + 2.0)  # every K pooled (Laplace: 1/2 before anything is seen)
+            for counts in (at_k[j] if at_k is not None else None, own[j] if own is not None else None):
+                if counts is not None:  # shrink: the all-request rate at this K, then the request's own
+                    prior = (counts[0] + PRIOR_WEIGHT * prior) / (counts[1] + PRIOR_WEIGHT)
             out.append(prior)
         return out
 
@@ -69,21 +84,25 @@ class Acceptance:
 
 
 class CycleCosts:
-    """Measured wall milliseconds of a cycle per (batch bucket, K)."""
+    """Measured wall milliseconds of a cycle per (batch bucket, K): the median of the last few measurements,
+    so one slow cycle (a prompt's first window, a graph capture, the machine busy) does not stick."""
 
     def __init__(self):
-        self.ms: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], deque[float]] = {}
         self.seen: dict[tuple[int, int], int] = {}  # cycle index of the last measurement
+
+    @property
+    def ms(self) -> dict[tuple[int, int], float]:
+        return {key: statistics.median(values) for key, values in self.samples.items()}
 
     def add(self, batch: int, k: int, ms: float, cycle: int) -> None:
         key = (bucket(batch), k)
-        old = self.ms.get(key)
-        self.ms[key] = ms if old is None else (1 - COST_ALPHA) * old + COST_ALPHA * ms
+        self.samples.setdefault(key, deque(maxlen=COST_SAMPLES)).append(ms)
         self.seen[key] = cycle
 
     def measured(self, batch: int) -> dict[int, float]:
         b = bucket(batch)
-        return {k: ms for (bb, k), ms in self.ms.items() if bb == b}
+        return {k: statistics.median(values) for (bb, k), values in self.samples.items() if bb == b}
 
     def estimate(self, batch: int, k: int) -> float | None:
         """Milliseconds of a cycle of `batch` rows and K = k; None when nothing is measured at that bucket."""

@@ -4,9 +4,10 @@ For the rows of a cycle it picks the K in [0, K_max] that maximises expected emi
 per second of the whole batch, ``sum_rows E_row(K) / cost(batch, K)`` (model.py), down to
 K = 0 (target-only steps) when speculation cannot pay at this load. K_max is the graph's
 ``num_draft`` (also capped by each row's token budget). Costs are learnt per batch size
-bucket: the first cycles at a bucket measure K_max and K = 0, later ones the best K; every
+bucket: the first cycles at a bucket measure K_max and K = 0, later ones the best K; after
 ``explore_every`` cycles a neighbour of the best (or an end point) is re-measured, so the
-table follows the load. Lossless like every K: only speed depends on it.
+table follows the load, and the gap doubles while the best K holds (up to 16 times), so a
+settled answer costs little exploration. Lossless like every K: only speed depends on it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, hookimpl
 from draftflow.plugins.policy.model import Acceptance, CycleCosts
 
+BACKOFF_CAP = 16  # exploration is at most this many times rarer than explore_every
 GRID = (0, 1, 3, 7, 15, 31, 63)  # K values chosen by default: few window widths, so few CUDA graphs to capture
 PARAMS = (
     ParamSpec("ks", "int_list", [], "the K values it may choose (default: 0, 1, 3, 7, 15, 31, 63 up to num_draft, and "
               "num_draft itself); each new window width costs a CUDA graph capture on the GPU", minimum=0),
-    ParamSpec("explore_every", "int", 16, "re-measure a neighbouring K every this many cycles of a batch size (0: never)",
-              minimum=0),
+    ParamSpec("explore_every", "int", 16, "re-measure a neighbouring K after this many cycles (0: never); the gap doubles "
+              "while the best K holds, up to 16 times this", minimum=0),
     ParamSpec("step", "int", 1, "how many grid places from the best K the re-measured neighbour lies", minimum=1),
 )
 
@@ -34,6 +36,8 @@ class AdaptiveK(Node):
         self.acceptance = Acceptance(max(ctx.num_draft, 1))
         self.costs = CycleCosts()
         self.cycles = 0
+        self.best, self.gap = -1, ctx.params["explore_every"]  # exploration backs off while the best K holds
+        self.next_explore = self.gap
         given = ctx.params.get("ks") or [k for k in GRID if k <= ctx.num_draft] + [ctx.num_draft]
         self.grid = sorted({k for k in given if k <= ctx.num_draft} | {0})  # K = 0 is always allowed
 
@@ -49,16 +53,20 @@ class AdaptiveK(Node):
         else:
             choice = self._best(rows, k_max)
             every = self.ctx.params["explore_every"]
-            if every and self.cycles % every == every - 1:
+            if choice != self.best:  # the answer moved: look around often again
+                self.best, self.gap = choice, every
+            if every and self.cycles >= self.next_explore:
                 choice = self._explore(n, choice, k_max)
+                self.next_explore = self.cycles + self.gap
+                self.gap = min(2 * self.gap, BACKOFF_CAP * every)  # a settled answer is re-checked ever more rarely
         return choice
 
     def _best(self, rows, k_max: int) -> int:
-        rates = [(self.acceptance.rates(r.request_id), r.num_draft) for r in rows]
         best, best_rate = 0, -1.0
         for k in (k for k in self.grid if k <= k_max):
             ms = self.costs.estimate(len(rows), k)
-            tokens = sum(self.acceptance.expected(a, min(k, cap)) for a, cap in rates)
+            tokens = sum(self.acceptance.expected(self.acceptance.rates(r.request_id, k), min(k, r.num_draft))
+                         for r in rows)
             rate = tokens / max(ms, 1e-6)
             if rate > best_rate * (1 + 1e-9):  # ties go to the smaller K
                 best, best_rate = k, rate

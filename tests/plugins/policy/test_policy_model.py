@@ -20,12 +20,22 @@ def test_rates_follow_a_request_and_fall_back_to_all_requests():
     for _ in range(50):
         acc.update("good", 4, 4)  # every draft accepted
         acc.update("bad", 4, 0)  # the first draft rejected: positions 2..4 never tried
-    good, bad, new = acc.rates("good"), acc.rates("bad"), acc.rates("new")
+    good, bad, new = acc.rates("good", 4), acc.rates("bad", 4), acc.rates("new", 4)
     assert good[0] > 0.85 and bad[0] < 0.15  # own counts (~20 after forgetting) against a prior of weight 4
     assert 0.3 < new[0] < 0.7  # all requests: half and half
     assert good[3] > 0.9  # only "good" tried position 4, always accepted
     acc.forget("good")
-    assert acc.rates("good") == acc.rates("new")
+    assert acc.rates("good", 4) == acc.rates("new", 4)
+
+
+def test_rates_are_kept_per_k_and_an_untried_k_borrows_the_pooled_ones():
+    """A block drafter's first drafts are accepted more in a wider block: each K keeps its own rates."""
+    acc = Acceptance(8)
+    for _ in range(40):
+        acc.update("r", 7, 7)  # the 8-row block: all accepted
+        acc.update("r", 3, 0)  # the 4-row block: the first draft rejected
+    assert acc.rates("r", 7)[0] > 0.9 and acc.rates("r", 3)[0] < 0.1
+    assert 0.3 < acc.rates("r", 1)[0] < 0.7  # K = 1 never tried: the pooled rate
 
 
 def test_costs_interpolate_between_measured_k_and_hold_flat_past_them():
@@ -37,7 +47,7 @@ def test_costs_interpolate_between_measured_k_and_hold_flat_past_them():
     assert costs.estimate(1, 12) == 30.0
     assert costs.estimate(3, 4) is None and bucket(3) == 4 and bucket(1) == 1
     costs.add(1, 8, 50.0, 2)
-    assert 30.0 < costs.estimate(1, 8) < 50.0  # an average, weighted to the past
+    assert costs.estimate(1, 8) == 40.0  # the median of the last measurements
 
 
 def _policy(num_draft=8, explore_every=0):
