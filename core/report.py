@@ -44,8 +44,8 @@ def render_plan(plan: GraphPlan) -> str:
         if v.experts is not None:
             lines.append("  " + expert_cache_line(plan))
     for n in plan.by_role("target"):  # a GGUF target: its tensor types per group, dequantized at load
-        path = getattr(plan.nodes[n].manifest.target, "path", "")
-        lines += ["  " + line for line in weight_lines(path, getattr(torch, spec.dtype))]
+        info = plan.nodes[n].manifest.target  # TargetInfo
+        lines += ["  " + line for line in weight_lines(info.path, getattr(torch, spec.dtype))] if info is not None else []
     return "\n".join(lines)
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf_quant_testlib import ALL_TYPES, build_qwen3_256, retype
+from gguf_quant_testlib import ALL_TYPES, build_qwen3_256, retype, set_type_id
 from helpers import run_cli
 from moe_testlib import build_hf_moe, save_hf_moe
 
@@ -118,3 +119,53 @@ def test_moe_merged_experts_quantized(tmp_path, qtype):
     row = host.layers.index(2)
     assert torch.equal(host.gate_up[row, :, :i], gate) and torch.equal(host.down[row], down)
     assert torch.equal(_logits(loaded), _logits(load_gguf(tmp_path / "ref.gguf", "cpu", torch.float32)))
+
+
+def _q8(path, tmp_path):
+    """The tiny 64-wide Qwen3 as Q8_0 (rows of 64 and 96 weights)."""
+    convert_hf_to_gguf(path, tmp_path / "m.gguf", "q8_0")
+    return tmp_path / "m.gguf"
+
+
+def _truncate(file, n=100):
+    os.truncate(file, file.stat().st_size - n)
+
+
+BAD = {  # case -> (how to break the file, the message)
+    "iq1_s": (lambda f, tmp: retype(f, tmp / "m.gguf", lambda n: T.IQ1_S if n == "blk.1.ffn_up.weight" else T.Q8_0),
+              r"tensor 'blk.1.ffn_up.weight' has type IQ1_S, which draftflow does not read; expected one of F32, F16, "
+              r"BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; re-quantize"),
+    "tq1_0": (lambda f, tmp: retype(f, tmp / "m.gguf", lambda n: T.TQ1_0), r"tensor 'token_embd.weight' has type TQ1_0, which draftflow does not read"),
+    "unknown-id": (lambda f, tmp: (retype(f, tmp / "m.gguf", lambda n: T.Q8_0), set_type_id(tmp / "m.gguf", "output.weight", 200)),
+                   r"tensor 'output.weight' has type type id 200, which draftflow does not read"),
+    "truncated": (lambda f, tmp: (retype(f, tmp / "m.gguf", lambda n: T.Q4_K), _truncate(tmp / "m.gguf")),
+                  r"tensor '[\w.]+' \(Q4_K, shape \[\d+, 256\]\) needs bytes \d+..\d+ but the file ends at byte \d+; "
+                  r"the file is truncated or corrupt, re-download or re-convert it"),
+    "block-size": (lambda f, tmp: (retype(f, tmp / "m.gguf", lambda n: T.Q8_0),
+                                   set_type_id(tmp / "m.gguf", "blk.0.attn_q.weight", int(T.Q4_0))),
+                   r"tensor 'blk.0.attn_q.weight' \(Q4_0, shape \[256, 256\]: 36864 bytes at 18 bytes per 32 weights\) "
+                   r"is followed by 'blk.0.attn_k.weight' at data byte \d+, expected \d+: its bytes do not match the Q4_0 "
+                   r"block size; the header is corrupt or the type mislabelled"),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD, "rows"])
+@pytest.mark.parametrize("command", ["check", "generate"])
+def test_bad_quantized_file_is_one_line(f32_gguf, hf_dir, tmp_path, case, command):
+    """Unsupported type, unknown type id, truncated data, mislabelled block size, rows not whole blocks: exit 1, one line."""
+    if case == "rows":  # a 64-wide row labelled Q4_K (256-weight blocks)
+        _, path = hf_dir("qwen3")
+        set_type_id(_q8(path, tmp_path), "blk.0.ffn_up.weight", int(T.Q4_K))
+        message = (r"tensor 'blk.0.ffn_up.weight' \(Q4_K, shape \[96, 64\]\) has rows of 64 weights, not a multiple of the "
+                   r"Q4_K block of 256; expected whole blocks per row")
+    else:
+        make, message = BAD[case]
+        make(f32_gguf, tmp_path)
+    (tmp_path / "g.yaml").write_text(f"name: q\ndevice: cpu\nnodes:\n  target:\n    plugin: target\n    params:\n"
+                                     f"      path: {tmp_path / 'm.gguf'}\n  verify:\n    plugin: verifier\n")
+    args = ["check", tmp_path / "g.yaml"] if command == "check" else [
+        "generate", "--target", tmp_path / "m.gguf", "--prompt-ids", "1,2", "--json"]
+    r = run_cli(args, cwd=tmp_path, env=ENV)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.search(r"m\.gguf: " + message, r.stderr), r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") <= 2, r.stderr
