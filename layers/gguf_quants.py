@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
+from importlib.metadata import version
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
@@ -58,6 +59,13 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         return int(np.prod(self.ne, dtype=np.int64)) if self.ne else 1
+
+
+def gguf_version() -> str:
+    try:
+        return "gguf " + version("gguf")
+    except Exception:  # noqa: BLE001 - a source checkout without metadata
+        return "gguf"
 
 
 def type_name(type_id: int) -> str:
@@ -139,7 +147,11 @@ def _dequantize_rows(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[
     step = max(1, _CHUNK_WEIGHTS // max(row_len, 1))
 
     def one(start: int) -> None:
-        chunk = gguf_dequantize(rows[start:start + step], kind)  # float32 [n, row_len]
+        try:
+            chunk = gguf_dequantize(rows[start:start + step], kind)  # float32 [n, row_len]
+        except NotImplementedError as exc:  # a gguf package older than its K-quant / IQ4 dequantizers
+            raise ModelFormatError(f"the installed gguf package ({gguf_version()}) cannot dequantize {kind.name}; "
+                                   "expected gguf >= 0.10 with numpy dequantizers; pip install -U gguf") from exc
         out[start:start + step] = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.float32)).to(dtype)
 
     starts = range(0, rows.shape[0], step)
@@ -168,6 +180,19 @@ class DequantProgress:
     def close(self) -> None:
         if self.enabled:
             sys.stderr.write("\n")
+
+
+def dequantized_cost(tensors: Iterable[Any], dtype: torch.dtype, source: str) -> str | None:
+    """The GPU load's warning: quantized types, bytes in the file vs on the device (None for an all-float file)."""
+    quantized = [t for t in tensors if type_name(t.tensor_type) not in FLOAT_TYPES]
+    if not quantized:
+        return None
+    kinds = ", ".join(sorted({type_name(t.tensor_type) for t in quantized}))
+    in_file = sum(int(t.n_bytes) for t in quantized)
+    on_device = sum(int(t.n_elements) for t in quantized) * dtype.itemsize
+    return (f"{source}: {kinds} weights are dequantized at load: {fmt_bytes(in_file)} in the file take "
+            f"{fmt_bytes(on_device)} of {str(dtype).removeprefix('torch.')} on the GPU; kernels that keep GGUF "
+            "weights quantized on the GPU are not built yet (issue 20 item 2)")
 
 
 def tensor_group(name: str, ne: tuple[int, ...]) -> str:

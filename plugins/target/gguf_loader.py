@@ -26,7 +26,8 @@ from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor
 from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_name, merged_views
-from draftflow.layers.gguf_quants import FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize, type_name
+from draftflow.layers.gguf_quants import (FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize,
+                                          dequantized_cost, type_name)
 
 SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
 log = structlog.get_logger("draftflow")
@@ -119,14 +120,9 @@ def _counted(t: Any, progress: DequantProgress) -> DequantProgress | None:
 
 def _warn_dequantized(tensors, dtype: torch.dtype, source: str) -> None:
     """One line: quantized GGUF weights on a GPU cost their dequantized size until quantized kernels exist."""
-    quantized = [t for t in tensors if type_name(t.tensor_type) not in FLOAT_TYPES]
-    if quantized:
-        kinds = ", ".join(sorted({type_name(t.tensor_type) for t in quantized}))
-        in_file = sum(int(t.n_bytes) for t in quantized)
-        on_device = sum(int(t.n_elements) for t in quantized) * dtype.itemsize
-        log.warning(f"{source}: {kinds} weights are dequantized at load: {in_file / 2**30:.2f} GiB in the file take "
-                    f"{on_device / 2**30:.2f} GiB of {str(dtype).removeprefix('torch.')} on the GPU; kernels that "
-                    "keep GGUF weights quantized on the GPU are not built yet (issue 20 item 2)")
+    text = dequantized_cost(tensors, dtype, source)
+    if text is not None:
+        log.warning(text)
 
 
 class _CheckedReader(GGUFReader):
