@@ -88,6 +88,10 @@ def test_trained_outputs_pass_the_greedy_gate(target, dflash_run, mtp_run, tmp_p
     dflash, _ = dflash_run
     mtp, _ = mtp_run
     assert read_artifact(dflash.parent / "drafter.gguf").config.target_layer_ids == (0, 1)
+    import gguf
+
+    fields = gguf.GGUFReader(dflash.parent / "drafter.gguf").fields  # llama.cpp needs the target's tokenizer keys
+    assert {"tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"} <= set(fields)
     graphs = {
         "dflash.yaml": {"drafter": {"plugin": "dflash", "params": {"path": str(dflash)}}, "taps": [0, 1], "k": 3},
         "gguf.yaml": {"drafter": {"plugin": "dflash", "params": {"path": str(dflash.parent / "drafter.gguf")}},

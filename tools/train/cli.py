@@ -156,6 +156,20 @@ def _load_target(path: str, device: str):
     return loaded
 
 
+def _check_gguf_target(target: str) -> None:
+    """--gguf writes the target's tokenizer keys into the drafter file, as llama.cpp needs: refuse a target that
+    cannot supply them (no .gguf tokenizer, no byte-level BPE tokenizer.json) before any training."""
+    import gguf
+
+    from draftflow.tools.gguf_tokenizer import copy_target_tokenizer
+
+    try:
+        copy_target_tokenizer(gguf.GGUFWriter(None, "dflash"), target)
+    except DraftflowError as exc:
+        raise DraftflowError(f"--gguf: {exc}; or leave out --gguf and convert later with "
+                             "python -m draftflow.tools.convert_dflash DRAFTER_DIR drafter.gguf --target TARGET") from None
+
+
 def _tap_layers(text: str | None, num_target: int, num_draft: int) -> tuple[int, ...]:
     from draftflow.plugins.dflash.config import default_target_layer_ids
 
@@ -204,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     a.device = check_device(a.device) if a.device else "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(a.seed)
     out = Path(a.out)
+    if getattr(a, "gguf", None):
+        _check_gguf_target(a.target)  # before training, not after: the drafter file copies the target's tokenizer
     loaded = _load_target(a.target, a.device)
     target, tcfg = loaded.model, loaded.config
     if a.seq_len > tcfg.max_position_embeddings:
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.gguf:
             from draftflow.tools.convert_dflash import hf_to_gguf
 
-            write_file(Path(a.gguf), lambda tmp: hf_to_gguf(out, tmp))
+            write_file(Path(a.gguf), lambda tmp: hf_to_gguf(out, tmp, target=a.target))
     final = result.evaluations[-1][1]
     print(f"wrote {out}: step {result.steps}, held-out " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     if a.summary:
