@@ -17,6 +17,9 @@ import statistics
 from collections import deque
 
 PRIOR_WEIGHT = 4.0  # a request's own counts weigh this many trials against the all-request rates
+# Before anything is seen a draft position counts as accepted this often, worth this many trials: optimistic, so
+# a fresh policy drafts and learns (K = 0 teaches it nothing about acceptance) and a bad drafter is found out fast.
+OPTIMISM, OPTIMISM_WEIGHT = 0.8, 2.0
 FORGET = 0.95  # per commit: a request's counts decay, so its recent acceptance counts most
 COST_SAMPLES = 9  # a (bucket, K) cost is the median of its last this many cycles
 
@@ -66,7 +69,7 @@ class Acceptance:
         out = []
         for j in range(self.max_draft):
             hits, trials = self.total[None][j]
-            prior = (hits + 1.0) / (trials + 2.0)  # every K pooled (Laplace: 1/2 before anything is seen)
+            prior = (hits + OPTIMISM * OPTIMISM_WEIGHT) / (trials + OPTIMISM_WEIGHT)  # every K pooled
             for counts in (at_k[j] if at_k is not None else None, own[j] if own is not None else None):
                 if counts is not None:  # shrink: the all-request rate at this K, then the request's own
                     prior = (counts[0] + PRIOR_WEIGHT * prior) / (counts[1] + PRIOR_WEIGHT)
