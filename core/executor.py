@@ -182,28 +182,22 @@ class Executor:
         ``prefill`` runs and the request is ready (``state.ready``; ``step`` takes it). A failure frees
         the slot (the running requests keep theirs) and propagates.
         """
-        if state.ready or self._slots[state.slot] is not state:
-            raise ValueError(f"request {state.request_id!r} is not waiting for its prefill; step it or start it again")
-        context = len(state.tokens) - 1
-        left = context - state.prefilled
+        self._check_prefilling(state)
+        left = len(state.tokens) - 1 - state.prefilled
+        if budget is None or left <= budget:
+            self._prefill_group([state])
+            return left
+        if state.prefilled == 0:
+            state.prefill_marks = (self._timer.start(), None)
+        end = state.prefilled + max(budget, 1)
         try:
-            if state.prefilled == 0:
-                state.prefill_marks = (self._timer.start(), None)
-            if budget is not None and left > budget:
-                end = state.prefilled + max(budget, 1)
-                for name in self.order:
-                    self.nodes[name].prefill_chunk(state, end)
-                done, state.prefilled = end - state.prefilled, end
-                return done
             for name in self.order:
-                for port, value in (self.nodes[name].prefill(state) or {}).items():
-                    state.carried[(name, port)] = value
+                self.nodes[name].prefill_chunk(state, end)
         except BaseException:
             self._release(state)
             raise
-        state.prefill_marks = (state.prefill_marks[0], self._timer.start())  # read after the first cycle's sync
-        state.prefilled, state.ready = context, True
-        return left
+        done, state.prefilled = end - state.prefilled, end
+        return done
 
     def prefill_many(self, states: list[ActiveRequest], budget: int | None = None) -> int:
         """Prefill joining requests in order within ``budget`` prompt tokens (None: all); returns how many.
@@ -227,10 +221,14 @@ class Executor:
             self._prefill_group(group)
         return used
 
+    def _check_prefilling(self, state: ActiveRequest) -> None:
+        if state.ready or self._slots[state.slot] is not state:
+            raise ValueError(f"request {state.request_id!r} is not waiting for its prefill; step it or start it again")
+
     def _prefill_group(self, group: list[ActiveRequest]) -> None:
+        """The rest of each request's prompt: one ``prefill_batch`` per node; the requests are then ready."""
         for state in group:
-            if state.ready or self._slots[state.slot] is not state:
-                raise ValueError(f"request {state.request_id!r} is not waiting for its prefill; step it or start it again")
+            self._check_prefilling(state)
             if state.prefilled == 0:
                 state.prefill_marks = (self._timer.start(), None)
         try:

@@ -39,12 +39,13 @@ class Proposal:
 
     @classmethod
     def from_rows(cls, rows: list[list[int] | None], device) -> Proposal:
-        """A deterministic proposal from per-row host drafts (None or [] for a row with none): ``[B, K']`` with K'
-        the longest row, padded with token 0, and ``lengths`` when the rows differ."""
+        """A deterministic proposal from per-row host drafts (None for a pad row, [] for a row without drafts):
+        ``[B, K']`` with K' the longest row, padded with token 0, and ``lengths`` when the stepped rows differ
+        (a pad row never needs them: the verifier accepts nothing in it)."""
         width = max((len(r) for r in rows if r), default=0)
         tokens = torch.tensor([list(r or ()) + [0] * (width - len(r or ())) for r in rows], dtype=torch.long)
         tokens = tokens.reshape(len(rows), width).to(device, non_blocking=True)  # [B, K']
-        if all(len(r or ()) == width for r in rows):
+        if all(r is None or len(r) == width for r in rows):
             return cls(tokens)
         lengths = torch.tensor([len(r or ()) for r in rows], dtype=torch.long).to(device, non_blocking=True)  # [B]
         return cls(tokens, lengths=lengths)

@@ -215,20 +215,20 @@ class DFlash(RowProposals, Node):
         return hidden[:n, :k], logits[:n, :k], widths
 
     def _draft_slots(self, n: int, todo: list, batch, widths: list[int]):
-        """One forward over slots [0, n): row b ingests its rows and (with a batch) drafts a block of K+1 rows, seeing
-        only its own first widths[b]+1 rows; pad rows write past their slots' context only. Commits the
-        context lengths of the rows in `todo`."""
-        # returns hidden [>=n, K, H], logits [>=n, K, V] (None, None without a batch)
+        """One forward over slots [0, n): row b ingests its rows and drafts a block of K+1 rows, seeing only its
+        own first widths[b]+1 rows; pad rows write past their slots' context only. Commits the context lengths
+        of the rows in `todo`."""
+        # returns hidden [>=n, K, H], logits [>=n, K, V]
         cfg = self.config
-        width = 0 if batch is None else min(cfg.block_size - 1, batch.num_draft) + 1
+        width = min(cfg.block_size - 1, batch.num_draft) + 1  # >= 2: a batch that drafts nothing never gets here
         entries = {i: (rows, start) for i, rows, start in todo}
-        runner = self._runner() if width > 1 else None
+        runner = self._runner()
         size = runner.batch_size(n) if runner is not None else n
         rows_in, starts, anchors, lasts = [], [], [], []
         for b in range(size):
             rows, start = entries.get(b, (None, self.caches[b].length))
             num_new = 0 if rows is None else rows.shape[1]
-            req = batch.rows[b] if batch is not None and b < n else None
+            req = batch.rows[b] if b < n else None
             rows_in.append(rows if num_new else None)
             starts.append(start)
             anchors.append(cfg.mask_token_id if req is None else req.anchor)
@@ -255,14 +255,10 @@ class DFlash(RowProposals, Node):
         for cache in self.caches[:1]:  # every slot has the same capacity
             cache.ensure(end)
         meta = torch.tensor([starts, counts, lasts], dtype=torch.long).to(device)  # [3, B]
-        block = None
-        if width:
-            tokens = torch.full((n, width), cfg.mask_token_id, dtype=torch.long, device=device)  # [B, W]
-            tokens[:, 0] = torch.tensor(anchors, dtype=torch.long).to(device)
-            block = self.model.embed_block(tokens, self.embed)
+        tokens = torch.full((n, width), cfg.mask_token_id, dtype=torch.long, device=device)  # [B, W]
+        tokens[:, 0] = torch.tensor(anchors, dtype=torch.long).to(device)
+        block = self.model.embed_block(tokens, self.embed)
         hidden = self.model.draft_slots(features, block, meta[0], meta[1], meta[2], self.slots[:, :, :n], end)
-        if hidden is None:
-            return None, None
         hidden = hidden[:, 1:]  # [B, K, H]
         return hidden, draft_logits(hidden, self.head, cfg)
 

@@ -12,7 +12,6 @@ without a match have length 0). The numba matcher is compiled when the node is b
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, Port, Proposal, SpecError, Vram, hookimpl
 from draftflow.plugins.lookup.matcher import find_continuation, warm_up
@@ -58,16 +57,13 @@ class PromptLookup(Node):
         return {}
 
     def step(self, batch, inputs):
-        found = {i: find_continuation(self.history[i], self.lengths[i], self.min_ngram, self.max_ngram, req.num_draft)
-                 for i, req in batch.active()}  # row -> (start, count)
-        width = max((count for _, count in found.values()), default=0)
-        tokens = np.zeros((batch.size, width), dtype=np.int64)  # [n, K']: padding holds token 0
-        for i, (start, count) in found.items():
-            tokens[i, :count] = self.history[i, start:start + count]
-        device, lengths = self.ctx.device, None
-        if any(count != width for _, count in found.values()):
-            lengths = torch.tensor([found.get(i, (0, 0))[1] for i in range(batch.size)]).to(device, non_blocking=True)  # [n]
-        return {"proposal": Proposal(torch.from_numpy(tokens).to(device, non_blocking=True), lengths=lengths)}
+        rows = [self._draft(i, req) if req is not None else None for i, req in enumerate(batch.rows)]
+        return {"proposal": Proposal.from_rows(rows, self.ctx.device)}
+
+    def _draft(self, slot: int, req) -> list[int]:
+        start, count = find_continuation(self.history[slot], self.lengths[slot], self.min_ngram, self.max_ngram,
+                                         req.num_draft)
+        return self.history[slot, start:start + count].tolist()
 
     def commit(self, req, info):
         self._append(req.slot, req.tokens[self.lengths[req.slot]:])
