@@ -136,6 +136,12 @@ def _toy_graph(params: str, target: str = TOY_TARGET) -> dict:
 
 
 CASES = [
+    Case("check-max-batch-zero", ["check", DEMO_GRAPH, "--set", "max_batch=0"],
+         r"max_batch must be an integer from 1 to 256 or 'auto', got 0"),
+    Case("check-max-batch-word", ["check", DEMO_GRAPH, "--set", "max_batch=lots"],
+         r"max_batch must be an integer from 1 to 256 or 'auto', got 'lots'"),
+    Case("check-policy-k-negative", ["check", DEMO_GRAPH, "--set", "nodes.policy.params.ks=[-1]"],
+         r"node 'policy' \(adaptive_k\) \[param\]: parameter 'ks': an entry -1 is below the minimum 0", lines=2),
     Case("check-warmup-tokens-negative", ["check", DEMO_GRAPH, "--set", "nodes.target.warmup_tokens=-1"],
          r"parameter 'warmup_tokens': -1 is below the minimum 0", lines=2),
     # --- a report of many problems is capped ------------------------------------------------------------
