@@ -1,18 +1,23 @@
 """Build the shipped demo pair: a small Qwen3 code model and its DFlash, DFlash2 and MTP drafters.
 
     python -m draftflow.tools.make_demo [--out graphs/models/demo] [--work /tmp/draftflow-demo]
-                                        [--stage all|target|dflash|dflash2|mtp] [--target-minutes 11]
-                                        [--drafter-minutes 7] [--device cpu|cuda] [--batch-size 8] [--regen-windows 32768]
+                                        [--stage all|target|dflash|dflash2|mtp] [--device cpu|cuda]
+                                        [--target-minutes 11] [--drafter-minutes 7] [--data-mb 8] ...
 
 1. target: Python sources of this machine (standard library and installed packages, tests
-   excluded) train a byte-level BPE tokenizer (tools/tiny_model's, plus a `<|mask|>` token for
-   DFlash) and a 4-layer Qwen3 model from scratch (causal LM loss, the shared training loop).
-2. dflash / dflash2 / mtp: `draftflow train dflash|dflash2|mtp` against that frozen target, on
-   the same text (block drafters on windows the target regenerated, `--labels regenerate`). DFlash2 gets DFlash's shape and recipe (trained from scratch, so the two are
-   compared at equal budgets) plus its selector (rank 64: the demo vocabulary is 2,048).
+   excluded; 2% of the files held out) train a byte-level BPE tokenizer (tools/tiny_model's,
+   plus a `<|mask|>` token for DFlash) and a Qwen3 model from scratch (causal LM loss, the
+   shared training loop, bf16 autocast on CUDA). The weights are stored in `--save-dtype`
+   (bfloat16: half the bytes; the CPU graphs load them as float32).
+2. dflash / mtp: `draftflow train dflash|mtp` against that frozen target (block drafter on
+   windows the target regenerated, `--labels regenerate`; block 16, taps spread over the
+   target); dflash2: `draftflow train dflash2 --init-from` the DFlash drafter (its backbone)
+   plus dynamic convolutions and the candidate selector. Drafter weights are stored in
+   `--save-dtype` too.
 
-Everything is bounded in wall time (CPU budgets), so the result depends on the machine's
-speed; the numbers of a run are written to WORK/summary.json for the model card.
+Every stage is bounded in wall time, so the result depends on the machine's speed. Each
+stage writes its numbers to WORK/STAGE.json (stages may run at the same time, e.g. dflash
+and mtp on one GPU); WORK/summary.json collects them for the model card.
 """
 
 from __future__ import annotations
@@ -25,17 +30,23 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from draftflow.layers.config import TargetConfig
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.tiny_model import EOS, hf_config, train_tokenizer
 from draftflow.tools.train.data import TokenData, WindowSampler, read_texts, source_files, tokenizer_encoder
-from draftflow.tools.train.loop import TrainOptions, WindowKV, init_weights, train
+from draftflow.tools.train.loop import TrainOptions, WindowKV, greedy_continuation, init_weights, train
 
 MASK = "<|mask|>"
-# Demo target shape: ~1 M parameters, small enough to train on two CPU cores in minutes.
-TARGET_SHAPE = {"vocab": 2048, "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 384, "context": 512}
+STAGES = ("target", "dflash", "dflash2", "mtp")
+# Demo target shape: ~17 M parameters (34.6 MB in bf16), so the four demo folders stay under 64 MB.
+TARGET_SHAPE = {"vocab": 8192, "hidden": 384, "layers": 9, "heads": 6, "kv_heads": 2, "intermediate": 1024,
+                "context": 1024}
+# Block drafters: 2 layers, block 16 (anchor + 15 drafts), taps spread over the 9 target layers.
+DRAFTER_SHAPE = {"layers": 2, "block_size": 16, "tap_layers": "1,4,7"}
+TOKENIZER_TEXT = 40_000_000  # characters the BPE is trained on (the rest is only encoded)
+SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef main(", "class Stack:\n    def __init__(self):\n")
 
 
 class LanguageModelRecipe:
@@ -47,51 +58,79 @@ class LanguageModelRecipe:
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         # tokens: [B, S]
         logits, _ = self.module(tokens[:, :-1], 0, WindowKV())  # [B, S-1, V]
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
     def evaluate(self, windows: list[torch.Tensor]) -> dict[str, float]:
-        losses = [float(self.loss(w[None])) for w in windows]
+        dev = self.module.norm.weight.device
+        losses = [float(self.loss(w[None].to(dev))) for w in windows]
         return {"loss": sum(losses) / max(1, len(losses))}
 
 
-def save_target(model: TargetModel, config: dict, tokenizer, out: Path) -> None:
+def save_target(model: TargetModel, config: dict, tokenizer, out: Path, dtype: torch.dtype) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    state = {(n if n.startswith("lm_head.") else "model." + n): t.detach().contiguous()
+    state = {(n if n.startswith("lm_head.") else "model." + n): t.detach().to("cpu", dtype).contiguous()
              for n, t in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(config, torch_dtype=str(dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
 
 
-def make_target(out: Path, work: Path, minutes: float, seed: int, summary: dict) -> None:
+def samples(model: TargetModel, tokenizer, n: int = 96) -> dict[str, str]:
+    """The target's greedy continuation of each sample prompt (for the model card)."""
+    dev = model.norm.weight.device
+    out = {}
+    with torch.no_grad():
+        for prompt in SAMPLE_PROMPTS:
+            ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], device=dev)
+            tokens, _ = greedy_continuation(model, ids, n, ())
+            out[prompt] = tokenizer.decode(tokens.tolist(), skip_special_tokens=False)
+    return out
+
+
+def make_target(a, out: Path, work: Path) -> dict:
     t0 = time.perf_counter()
     files = source_files()
-    texts = read_texts(files, max_bytes=8_000_000, seed=seed)
+    texts = read_texts(files, max_bytes=int(a.data_mb * 1e6), seed=a.seed)
     shape = TARGET_SHAPE
-    tok = train_tokenizer(shape["vocab"] - 1, texts[: len(texts) // 2])
+    sample, chars = [], 0
+    for t in texts[::2]:  # the tokenizer sees every second file, up to TOKENIZER_TEXT characters
+        sample.append(t)
+        chars += len(t)
+        if chars >= TOKENIZER_TEXT:
+            break
+    tok = train_tokenizer(shape["vocab"] - 1, sample)
     tok.add_special_tokens([MASK])
     vocab = tok.get_vocab_size()
-    data = TokenData.from_texts(texts, tokenizer_encoder(tok), eos_id=tok.token_to_id(EOS), seed=seed)
+    data = TokenData.from_texts(texts, tokenizer_encoder(tok), eos_id=tok.token_to_id(EOS), seed=a.seed)
+    print(f"target: {len(texts)} files, {data.train.numel()} training tokens, {data.held_out.numel()} held out, "
+          f"vocab {vocab} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     config = hf_config(vocab, shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"], shape["intermediate"],
                        shape["context"])
-    config["tie_word_embeddings"] = True
+    config.update(tie_word_embeddings=True, head_dim=shape["hidden"] // shape["heads"])
     model = TargetModel(TargetConfig.from_hf_dict(config, "demo target"))
-    init_weights(model, seed=seed)
-    # Short windows, many updates: on a CPU budget the step count, not the context, limits the loss.
-    sampler = WindowSampler(data, seq_len=65, seed=seed)
-    opts = TrainOptions(steps=100_000, batch_size=8, lr=3e-3, warmup=0.03, eval_every=100, eval_windows=16, save_every=100,
-                        checkpoint=work / "target.pt", resume=True, time_budget_s=minutes * 60)
+    init_weights(model, seed=a.seed)
+    model.to(a.device)
+    sampler = WindowSampler(data, seq_len=a.target_seq_len + 1, seed=a.seed)
+    opts = TrainOptions(steps=100_000_000, batch_size=a.target_batch_size, lr=a.target_lr, warmup=0.03,
+                        weight_decay=0.1, bf16=a.device.startswith("cuda"), eval_every=a.eval_every, eval_windows=16,
+                        save_every=a.eval_every, checkpoint=work / "target.pt", resume=True,
+                        time_budget_s=a.target_minutes * 60, device=a.device)
     result = train(LanguageModelRecipe(model), sampler, opts, label="target")
-    save_target(model, config, tok, out / "target")
-    summary["target"] = {
+    dtype = getattr(torch, a.save_dtype)
+    model.to(dtype).float()  # what the shipped file holds, so the samples and the drafters see the shipped target
+    save_target(model, config, tok, out / "target", dtype)
+    return {
         "files_found": len(files), "documents": data.documents, "characters": data.characters,
         "train_tokens": int(data.train.numel()), "held_out_tokens": int(data.held_out.numel()), "vocab": vocab,
         "parameters": sum(p.numel() for p in model.parameters()), "shape": shape, "steps": result.steps,
-        "tokens_seen": result.steps * opts.batch_size * (sampler.seq_len - 1), "train_seconds": round(result.elapsed_s),
+        "batch": [a.target_batch_size, a.target_seq_len], "lr": a.target_lr,
+        "tokens_seen": result.steps * opts.batch_size * a.target_seq_len, "train_seconds": round(result.elapsed_s),
         "first_loss": _mean(result.losses[:10]), "last_loss": _mean(result.losses[-10:]),
-        "held_out": result.evaluations[-1][1], "wall_seconds": round(time.perf_counter() - t0),
-        "python": sys.version.split()[0],
+        "held_out": [(s, round(e["loss"], 4)) for s, e in result.evaluations], "samples": samples(model, tok),
+        "wall_seconds": round(time.perf_counter() - t0), "python": sys.version.split()[0], "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
     }
 
 
@@ -99,53 +138,74 @@ def _mean(losses: list[tuple[int, float]]) -> float:
     return round(sum(v for _, v in losses) / max(1, len(losses)), 4)
 
 
-def make_drafter(kind: str, out: Path, work: Path, minutes: float, seed: int, summary: dict, device: str = "cpu",
-                 batch_size: int = 8, regen_windows: int = 32768) -> None:
+def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
+    """The `draftflow train` command line of one drafter stage."""
+    args = [kind, "--target", str(out / "target"), "--out", str(out / kind), "--checkpoint", str(work / f"{kind}.pt"),
+            "--resume", "--time-budget-min", str(a.drafter_minutes), "--steps", "10000000", "--seed", str(a.seed),
+            "--max-data-mb", str(a.drafter_data_mb), "--summary", str(work / f"{kind}-train.json"), "--device",
+            a.device, "--seq-len", "256", "--batch-size", str(a.batch_size), "--eval-every", str(a.eval_every),
+            "--save-every", str(a.eval_every), "--overwrite"]
+    if kind == "mtp":
+        return args + ["--labels", "target", "--lr", "3e-3"]
+    # blocks need the target's own chain as labels (docs/TRAINING.md)
+    args += ["--labels", "regenerate", "--regen-windows", str(a.regen_windows), "--gguf", str(work / f"{kind}.gguf")]
+    if kind == "dflash":
+        return args + ["--lr", "3e-3", "--layers", str(DRAFTER_SHAPE["layers"]), "--block-size",
+                       str(DRAFTER_SHAPE["block_size"]), "--tap-layers", DRAFTER_SHAPE["tap_layers"]]
+    return args + ["--lr", "1e-3", "--init-from", str(out / "dflash"), "--selector-rank", "64", "--selector-top-k", "16",
+                   "--conv-kernel-size", "2", "--conv-group-size", "16"]
+
+
+def make_drafter(kind: str, a, out: Path, work: Path) -> dict:
     from draftflow.tools.train.cli import main as train_main
 
-    args = [kind, "--target", str(out / "target"), "--out", str(out / kind), "--checkpoint", str(work / f"{kind}.pt"),
-            "--resume", "--time-budget-min", str(minutes), "--steps", "100000", "--seed", str(seed),
-            "--max-data-mb", "8", "--summary", str(work / f"{kind}.json"), "--device", device, "--seq-len", "128",
-            "--batch-size", str(batch_size), "--lr", "3e-3", "--eval-every", "100", "--save-every", "50"]
-    if kind == "mtp":
-        args += ["--labels", "target"]
-    else:  # blocks need the target's own chain as labels (docs/TRAINING.md)
-        args += ["--labels", "regenerate", "--regen-windows", str(regen_windows), "--gguf", str(work / f"{kind}.gguf"),
-                 "--layers", "2", "--block-size", "8", "--anchors", "16"]
-    if kind == "dflash2":
-        args += ["--selector-rank", "64", "--selector-top-k", "16", "--conv-kernel-size", "2", "--conv-group-size", "16"]
-    code = train_main(args)
+    code = train_main(drafter_args(kind, a, out, work))
     if code:
         raise SystemExit(code)
-    summary[kind] = json.loads((work / f"{kind}.json").read_text())
+    store_as(out / kind, getattr(torch, a.save_dtype))
+    return json.loads((work / f"{kind}-train.json").read_text())
+
+
+def store_as(folder: Path, dtype: torch.dtype) -> None:
+    """Rewrite every safetensors file of `folder` with its floating tensors in `dtype`."""
+    for f in folder.glob("*.safetensors"):
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in load_file(str(f)).items()}
+        save_file(state, str(f), metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m draftflow.tools.make_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"))
-    p.add_argument("--work", default="/tmp/draftflow-demo", help="checkpoints and the run summary")
-    p.add_argument("--stage", choices=("all", "target", "dflash", "dflash2", "mtp"), default="all")
-    p.add_argument("--target-minutes", type=float, default=11.0)
-    p.add_argument("--drafter-minutes", type=float, default=7.0)
+    p.add_argument("--work", default="/tmp/draftflow-demo", help="checkpoints and the run summaries")
+    p.add_argument("--stage", choices=("all", *STAGES), default="all")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: where every stage trains")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="device of the drafter stages (the target stage runs on the CPU)")
-    p.add_argument("--batch-size", type=int, default=8, help="drafter batch size (the GPU run of the card used 64)")
-    p.add_argument("--regen-windows", type=int, default=32768, help="regenerated windows for the block drafters")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads")
+    p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations and checkpoints")
+    t = p.add_argument_group("target")
+    t.add_argument("--target-minutes", type=float, default=11.0)
+    t.add_argument("--data-mb", type=float, default=8.0, help="Python source text to read (the GPU run used 300)")
+    t.add_argument("--target-batch-size", type=int, default=8)
+    t.add_argument("--target-seq-len", type=int, default=256, help="training window (the GPU run used 1024)")
+    t.add_argument("--target-lr", type=float, default=2e-3)
+    d = p.add_argument_group("drafters")
+    d.add_argument("--drafter-minutes", type=float, default=7.0)
+    d.add_argument("--drafter-data-mb", type=float, default=32.0)
+    d.add_argument("--batch-size", type=int, default=8, help="drafter batch size (the GPU run used 64)")
+    d.add_argument("--regen-windows", type=int, default=32768, help="regenerated windows for the block drafters")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     out, work = Path(a.out), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    summary_file = work / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    if a.stage in ("all", "target"):
-        make_target(out, work, a.target_minutes, a.seed, summary)
-        summary_file.write_text(json.dumps(summary, indent=2) + "\n")
-    for kind in ("dflash", "dflash2", "mtp"):
-        if a.stage in ("all", kind):
-            make_drafter(kind, out, work, a.drafter_minutes, a.seed, summary, a.device, a.batch_size, a.regen_windows)
-            summary_file.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    for stage in STAGES:
+        if a.stage in ("all", stage):
+            result = make_target(a, out, work) if stage == "target" else make_drafter(stage, a, out, work)
+            (work / f"{stage}.json").write_text(json.dumps(result, indent=2) + "\n")
+    summary = {s: json.loads((work / f"{s}.json").read_text()) for s in STAGES if (work / f"{s}.json").exists()}
+    (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({s: {k: v for k, v in r.items() if k not in ("evaluations", "held_out", "samples")}
+                      for s, r in summary.items()}, indent=2))
     return 0
 
 
