@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from draftflow.core.errors import CheckError, DraftflowError
+from draftflow.core.errors import CheckError, DraftflowError, FollowerDone
 from draftflow.core.generate_options import add_processor_args, logprob_rows, print_logprobs, processor_fields
 from draftflow.core.hookspecs import hookimpl
 
@@ -33,6 +33,8 @@ def _add_graph_args(p: argparse.ArgumentParser, positional: bool) -> None:
     p.add_argument("--expert-cache", type=int, metavar="N",
                    help="MoE targets: pin N experts resident on the device (0 = autosize); short for "
                         "--set nodes.<target>.expert_cache=N on every target node")
+    p.add_argument("--tp", type=int, metavar="N", help="shard the target over N GPUs (tensor parallelism; short for "
+                   "--set tensor_parallel=N); generate/serve start N local processes (docs/TENSOR_PARALLEL.md)")
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -359,8 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"generate": cmd_generate, "check": cmd_check, "plugins": cmd_plugins, "trace": cmd_trace, "train": cmd_train,
                "serve": cmd_serve}[args.command]
     try:
+        from draftflow.core import tp_launch
+
+        if tp_launch.should_launch(args):  # --tp N: N worker processes run this same command, one per rank
+            return tp_launch.launch(sys.argv[1:] if argv is None else list(argv), args.tp)
         if hasattr(args, "overrides"):
-            args.overrides = list(args.overrides) + _expert_cache_overrides(args)
+            args.overrides = list(args.overrides) + _expert_cache_overrides(args) + tp_launch.tp_overrides(args)
         return handler(args)
     except CheckError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -370,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except FollowerDone:  # a tensor-parallel rank > 0 mirrored rank 0 to its end
+        return 0
     except BrokenPipeError:  # stdout closed early (e.g. piped into head): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail
         return 1

@@ -57,3 +57,8 @@ class RequestError(DraftflowError):
 
 class OwnershipError(DraftflowError):
     """Raised in debug mode when a node writes a buffer it does not own."""
+
+
+class FollowerDone(Exception):
+    """Raised by ``Session.open`` on a tensor-parallel rank > 0 once rank 0 closed its session: the rank mirrored
+    every call and has nothing left to do (not a failure: the CLI exits 0 on it; core/mirror.py)."""

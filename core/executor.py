@@ -54,6 +54,11 @@ class Executor:
         self.verifier = next(n for n in self.order if self.roles[n] == "verifier")
         self.target = next(n for n in self.order if self.roles[n] == "target")
         self.policy = next((n for n in self.order if self.roles[n] == "policy"), None)  # chooses each cycle's K
+        self.tp = None  # tensor_parallel > 1: the rank group; rank 0's decisions are every rank's (core/mirror.py)
+        if plan.spec.tensor_parallel > 1:
+            from draftflow.layers.tensor_parallel import group
+
+            self.tp = group(plan.spec.tensor_parallel, plan.spec.device)
         self.kv_tokens = plan.vram.kv_tokens if plan.vram else None
         self.max_batch = plan.vram.batch if plan.vram else 1  # request slots
         self.owned: dict[str, dict[str, torch.Tensor]] = {}
@@ -91,7 +96,8 @@ class Executor:
                               num_draft=self.plan.spec.num_draft, kv_tokens=self.kv_tokens, buffers=owned,
                               shared={b: all_buffers[b] for b in m.reads if b in all_buffers},
                               resident_experts=experts.resident if experts is not None and experts.node == name else None,
-                              target=self.handle if TARGET_HANDLE in m.requires else None, max_batch=self.max_batch)
+                              target=self.handle if TARGET_HANDLE in m.requires else None, max_batch=self.max_batch,
+                              tensor_parallel=self.plan.spec.tensor_parallel)
             self.nodes[name] = resolved.node_type.factory(ctx)
             if name == self.target:
                 self.handle = self._target_handle(name)
@@ -263,6 +269,8 @@ class Executor:
         batch = Batch(rows, max(r.num_draft for r in states))
         if self.policy is not None and batch.num_draft:
             chosen = self.nodes[self.policy].choose_draft(batch)
+            if self.tp is not None:  # a policy may time the cycle, which differs per rank: rank 0 decides
+                chosen = self.tp.broadcast_object(chosen)
             if not isinstance(chosen, int) or isinstance(chosen, bool) or not 0 <= chosen <= batch.num_draft:
                 node = self.plan.nodes[self.policy].node_type.name
                 raise ModelFormatError(f"node '{self.policy}' ({node}) chose K={chosen!r}; a policy's choose_draft must "
@@ -273,7 +281,8 @@ class Executor:
             batch = Batch(rows, max(r.num_draft for r in states))
         try:
             values = self._run_nodes(batch)
-            verdicts = read_verdicts(self.plan, self.verifier, batch, values)  # the cycle's one host sync
+            agree = self.tp.broadcast if self.tp is not None else None  # every rank commits rank 0's verdicts
+            verdicts = read_verdicts(self.plan, self.verifier, batch, values, agree)  # the cycle's one host sync
         except BaseException:
             self._drop_all()  # the nodes hold a half-run cycle: only new starts may follow
             raise

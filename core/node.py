@@ -40,6 +40,9 @@ class NodeContext:
     # Request slots: at most this many requests are live at once; request `r` owns row `r.slot` of every
     # per-request buffer (a manifest dimension "batch" is allocated with this many rows).
     max_batch: int = 1
+    # Ranks the target is sharded over (graph key tensor_parallel); a target plugin that shards joins the
+    # process group through draftflow.layers.tensor_parallel.group(tensor_parallel, device).
+    tensor_parallel: int = 1
 
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer

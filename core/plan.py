@@ -30,6 +30,8 @@ class Env:
     max_context: int | None
     # Request slots the plan may allocate (max_batch, or auto's cap): size per-batch scratch by it.
     max_batch: int = 1
+    # Ranks the target is sharded over: a target that shards declares one rank's share (docs/TENSOR_PARALLEL.md).
+    tensor_parallel: int = 1
 
 
 @attrs.frozen
@@ -134,7 +136,8 @@ def device_budget(spec: GraphSpec) -> int | None:
 
 def build_plan(spec: GraphSpec, registry: Registry) -> GraphPlan:
     """Resolve, wire, order and check ``spec``; problems are collected on the plan."""
-    env = Env(spec.device, spec.dtype, spec.num_draft, spec.max_context, spec.max_batch or AUTO_BATCH_CAP)
+    env = Env(spec.device, spec.dtype, spec.num_draft, spec.max_context, spec.max_batch or AUTO_BATCH_CAP,
+              spec.tensor_parallel)
     plan = GraphPlan(spec=spec, env=env)
     if (unusable := device_problem(spec.device)) is not None:
         plan.problem("", "device", *unusable, where=spec.at("device"))

@@ -32,7 +32,11 @@ def render_plan(plan: GraphPlan) -> str:
     if plan.vram is not None:
         v = plan.vram
         lines.append("")
-        lines.append(f"VRAM plan (budget {fmt_bytes(v.budget)}):")
+        if spec.tensor_parallel > 1:  # a sharding target declared one rank's share; every rank holds the rest whole
+            lines.append(f"VRAM plan per rank, tensor_parallel {spec.tensor_parallel} (budget {fmt_bytes(v.budget)} "
+                         "per GPU; the target's layers and KV cache are one rank's shard, other nodes whole):")
+        else:
+            lines.append(f"VRAM plan (budget {fmt_bytes(v.budget)}):")
         cols = ["weights", "kv", "scratch"] + (["experts"] if v.experts is not None else [])
         rows = [[r.node] + [fmt_bytes(getattr(r, c)) for c in cols] + [fmt_bytes(r.total)] for r in v.rows]
         rows.append(["total"] + [fmt_bytes(sum(getattr(r, c) for r in v.rows)) for c in cols] + [fmt_bytes(v.total)])

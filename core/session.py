@@ -219,15 +219,17 @@ class Session:
         if trace:  # a missing folder or the graph file itself, reported before anything loads
             check_trace_path(trace, graph_input)
         spec = cls.load_spec(graph_path, graph_dict, overrides)  # YAML errors before plugins (and torch) load
-        from draftflow.core.executor import Executor
+        from draftflow.core import mirror
         from draftflow.core.plan import build_plan
         from draftflow.core.registry import load_registry
 
+        if spec.tensor_parallel > 1:  # one process per rank (docs/TENSOR_PARALLEL.md)
+            spec = mirror.rank_spec(spec)
         registry = registry or load_registry()
         plan = build_plan(spec, registry)
         plan.raise_if_problems()
         trace_path = check_trace_path(trace, graph_input + cls.inputs(plan)) if trace else None
-        executor = Executor(plan, hook=registry.pm.hook)
+        executor = mirror.make_executor(plan, hook=registry.pm.hook)
         if threads is None and "OMP_NUM_THREADS" not in os.environ:
             threads = default_threads(executor.device.type, executor.measured.get(executor.target, 0))
         if threads is not None:
@@ -235,6 +237,9 @@ class Session:
 
             torch.set_num_threads(threads)
         executor.warmup()  # before any request (and with the threads it will run on): graphs, kernels
+        if executor.tp is not None and not executor.tp.is_leader:  # ranks > 0 mirror rank 0 until it closes
+            mirror.follow(executor)
+            raise mirror.FollowerDone()
         sink = None
         if trace_path is not None:  # opened (truncated) only once everything loaded
             sink = JsonlSink(trace_path)
@@ -271,6 +276,8 @@ class Session:
         return self.executor.generate(prompt_ids, sampling, request_id)
 
     def close(self) -> None:
+        if hasattr(self.executor, "close"):  # tensor parallelism: release the other ranks
+            self.executor.close()
         if self.sink is not None:
             self.registry.pm.unregister(self.sink)
             self.sink.close()

@@ -15,7 +15,9 @@ from draftflow.core.params import did_you_mean
 from draftflow.core.yamlio import Located, key_path, load_yaml_file, load_yaml_text, load_yaml_value, shorten
 
 MAX_BATCH = 256  # request slots a graph may ask for
-TOP_KEYS = ("name", "description", "extends", "device", "dtype", "vram_budget", "num_draft", "max_batch", "max_context", "debug", "nodes", "edges")
+MAX_TENSOR_PARALLEL = 64  # ranks a target may be sharded over
+TOP_KEYS = ("name", "description", "extends", "device", "dtype", "vram_budget", "num_draft", "max_batch", "max_context", "debug",
+            "tensor_parallel", "nodes", "edges")
 NODE_KEYS = ("plugin", "params")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 _EDGE = re.compile(r"^\s*([A-Za-z_][\w-]*)\.(\w+)\s*->\s*([A-Za-z_][\w-]*)\.(\w+)\s*(\(carried\))?\s*$")
@@ -89,6 +91,7 @@ class GraphSpec:
     max_batch: int | None = 1  # request slots; None = "auto" (as many as the VRAM plan fits, at most 64)
     max_context: int | None = None
     debug: bool = False
+    tensor_parallel: int = 1  # ranks the target is sharded over (docs/TENSOR_PARALLEL.md)
     source: str = "<graph>"
     base_dir: Path | None = None
     located: Located | None = attrs.field(default=None, eq=False, repr=False)
@@ -155,6 +158,11 @@ class GraphSpec:
         debug = data.get("debug", False)
         if not isinstance(debug, bool):
             raise SpecError(f"{loc.at('debug')}: debug must be true or false")
+        tensor_parallel = data.get("tensor_parallel", 1)
+        if (isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int)
+                or not 1 <= tensor_parallel <= MAX_TENSOR_PARALLEL):
+            raise SpecError(f"{loc.at('tensor_parallel')}: tensor_parallel must be an integer from 1 to "
+                            f"{MAX_TENSOR_PARALLEL} (ranks, one GPU each), got {shorten(repr(tensor_parallel))}")
         for key in ("name", "description"):
             if isinstance(data.get(key), (dict, list)):
                 raise SpecError(f"{loc.at(key)}: {key} must be text, got {_kind(data[key])}")
@@ -171,6 +179,7 @@ class GraphSpec:
             max_batch=max_batch,
             max_context=max_context,
             debug=debug,
+            tensor_parallel=tensor_parallel,
             source=source,
             base_dir=base_dir,
             located=loc,

@@ -15,10 +15,11 @@ from draftflow.core.ports import Verdict
 from draftflow.core.request import ActiveRequest, TokenLogprob
 
 
-def read_verdicts(plan, verifier: str, batch: Batch, values) -> dict[int, tuple[int, list[int], list[int], list | None]]:
+def read_verdicts(plan, verifier: str, batch: Batch, values, agree=None) -> dict[int, tuple[int, list[int], list[int], list | None]]:
     """slot -> (accepted, emitted, drafts, logprobs) for every stepped row, from one packed device-to-host transfer.
 
     ``logprobs`` is None unless the request asked for them; then it holds one ``TokenLogprob`` per emitted token.
+    ``agree`` (tensor parallelism): replaces the packed tensor by rank 0's before it is read, on the device.
     """
     b = batch.size
     verdict: Verdict = values[(verifier, "verdict")]
@@ -40,7 +41,8 @@ def read_verdicts(plan, verifier: str, batch: Batch, values) -> dict[int, tuple[
         parts = [p.to(torch.float64) for p in parts] + [
             verdict.logprobs[:b].to(torch.float64).reshape(-1), verdict.top_ids[:b].to(torch.float64).reshape(-1),
             verdict.top_logprobs[:b].to(torch.float64).reshape(-1)]
-    packed = torch.cat(parts).tolist()
+    packed = torch.cat(parts)
+    packed = (packed if agree is None else agree(packed)).tolist()
     lengths_at = b + b * width + b * k
     has_lengths = k > 0 and proposal.lengths is not None
     base = lengths_at + (b if has_lengths else 0)  # the logprob parts start here

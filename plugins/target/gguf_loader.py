@@ -26,6 +26,7 @@ from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor
 from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_name, merged_views
+from draftflow.layers.tensor_parallel import SINGLE, TPGroup, shard_of, take
 from draftflow.layers.gguf_quants import (FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize,
                                           dequantized_cost, type_name)
 
@@ -57,8 +58,13 @@ def read_gguf_config(path: str | os.PathLike[str]) -> TargetConfig:
     return _config(_open(path), str(path))
 
 
-def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LoadedTarget:
-    """Load config, weights (any of gguf_quants.SUPPORTED_TYPES, dequantized to `dtype`) and the embedded tokenizer."""
+def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype, tp: TPGroup = SINGLE) -> LoadedTarget:
+    """Load config, weights (any of gguf_quants.SUPPORTED_TYPES, dequantized to `dtype`) and the embedded tokenizer.
+
+    With a tensor-parallel group `tp` each split tensor is dequantized whole (on the host when it is
+    split: quantized blocks run along rows, and llama's q/k rows are un-permuted per head first), then
+    only this rank's slice goes to the device.
+    """
     source = str(path)
     reader = _open(path)
     cfg = _config(reader, source)
@@ -80,13 +86,17 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
         del found[merged]
     check_tensors(found, cfg, source, names={**{hf: g for g, hf in to_hf.items()}, **names})
 
-    model = TargetModel(cfg, dtype=dtype, device="meta")
+    model = TargetModel(cfg, dtype=dtype, device="meta", tp=tp)
+    local = expected_tensors(model.config)  # this rank's shapes (tensor_parallel.py)
     loaded = {id(t): t for t in (v[0] if type(v) is tuple else v for v in tensors.values())}
     progress = DequantProgress(sum(int(t.n_elements) for t in loaded.values() if type_name(t.tensor_type) not in FLOAT_TYPES),
                                f"dequantizing {os.path.basename(source)} to {str(dtype).removeprefix('torch.')}")
     state, last = {}, (None, None)
-    for hf in expected_tensors(cfg):
-        where = "cpu" if is_expert_tensor(hf) else device  # MoE experts stay on the host
+    for hf, full in expected_tensors(cfg).items():
+        if hf not in local:  # o_proj's bias: rank 0 adds it
+            continue
+        pieces = shard_of(hf, full, local[hf], cfg, tp.rank, tp.size)
+        where = "cpu" if is_expert_tensor(hf) or pieces else device  # MoE experts stay on the host
         if type(tensors[hf]) is tuple:  # one expert of a merged tensor (ReaderTensor is a NamedTuple)
             t, shape, j = tensors[hf]
             if last[0] is not t:
@@ -98,10 +108,12 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
             w = llama_unpermute(w, cfg.num_heads)
         elif cfg.arch == "llama" and ".self_attn.k_proj." in hf:
             w = llama_unpermute(w, cfg.num_kv_heads)
+        if pieces:
+            w = take(w, pieces).to("cpu" if is_expert_tensor(hf) else device)
         state[hf.removeprefix("model.")] = w
     progress.close()
     if cfg.moe_layers:
-        model.host_experts = HostExperts.pop_from_state(state, cfg, pin=torch.device(device).type == "cuda")
+        model.host_experts = HostExperts.pop_from_state(state, model.config, pin=torch.device(device).type == "cuda")
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     if torch.device(device).type == "cuda":

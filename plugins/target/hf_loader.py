@@ -22,6 +22,7 @@ from draftflow.plugin import ModelFormatError, file_problem, open_safetensors, r
 from draftflow.layers.config import ConfigFields, TargetConfig, expected_tensors, read_config  # noqa: F401 (read_config: re-exported for the target plugin)
 from draftflow.plugins.target.model import TargetModel
 from draftflow.layers.moe import HostExperts, is_expert_tensor, split_fused_experts
+from draftflow.layers.tensor_parallel import SINGLE, TPGroup, shard_of, take
 
 _PROGRESS_MIN_BYTES = 256 << 20
 _MAX_LISTED = 5
@@ -38,8 +39,12 @@ class LoadedTarget:
     source: str
 
 
-def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LoadedTarget:
-    """Load config, weights, generation config and tokenizer from an HF directory."""
+def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype, tp: TPGroup = SINGLE) -> LoadedTarget:
+    """Load config, weights, generation config and tokenizer from an HF directory.
+
+    With a tensor-parallel group `tp` only this rank's shard of each split tensor is read
+    (safetensors slices: the other ranks' bytes are never touched).
+    """
     root = Path(path)
     cfg = read_config(root)
     shards = _shard_map(root)  # tensor name -> file
@@ -59,22 +64,26 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
     fused = split_fused_experts(found)  # transformers-5 fused experts -> per-expert views
     check_tensors(found, cfg, str(root), {n: str(f) for n, f in shards.items()})
 
-    model = TargetModel(cfg, dtype=dtype, device="meta")
-    expected = expected_tensors(cfg)
+    model = TargetModel(cfg, dtype=dtype, device="meta", tp=tp)
+    full, expected = expected_tensors(cfg), expected_tensors(model.config)  # the rank's shapes (tensor_parallel.py)
     wanted = [n for n in expected if n in shards or n in fused]  # drops a tied model's lm_head
-    sizes = {n: _numel(found[n]) * dtype.itemsize for n in wanted}
+    sizes = {n: _numel(expected[n]) * dtype.itemsize for n in wanted}
     progress = _Progress(sum(sizes.values()), f"loading {root.name}")
     state, fused_read = {}, {}
     for name in wanted:
         source, expert, rows = fused.get(name, (name, None, None))
         file = shards[source]
+        pieces = shard_of(name, full[name], expected[name], cfg, tp.rank, tp.size)  # [] = the whole tensor
         try:
-            if expert is None:
+            if expert is None and pieces:
+                tensor = take(handles[file].get_slice(stored[file][source]), pieces)
+            elif expert is None:
                 tensor = handles[file].get_tensor(stored[file][source])
             else:  # one read per fused tensor, sliced per expert
                 if source not in fused_read:
                     fused_read = {source: handles[file].get_tensor(stored[file][source])}
                 tensor = fused_read[source][expert, rows]
+                tensor = take(tensor, pieces) if pieces else tensor
         except Exception as exc:  # noqa: BLE001 - any read failure means a damaged file
             raise ModelFormatError(
                 f"{file}: reading tensor {name!r} failed ({exc}); expected a complete safetensors file; "
@@ -84,7 +93,7 @@ def load_hf(path: str | os.PathLike[str], device: torch.device | str, dtype: tor
         progress.update(sizes[name])
     progress.close()
     if cfg.moe_layers:
-        model.host_experts = HostExperts.pop_from_state(state, cfg, pin=torch.device(device).type == "cuda")
+        model.host_experts = HostExperts.pop_from_state(state, model.config, pin=torch.device(device).type == "cuda")
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # moves the non-persistent RoPE buffer; weights are already there
 

@@ -24,20 +24,25 @@ from draftflow.layers.linear_state import LinearState
 from draftflow.layers.moe import SparseMoeBlock
 from draftflow.layers.norm import RMSNorm
 from draftflow.layers.rope import rope_inv_freq, rope_tables
+from draftflow.layers.tensor_parallel import SINGLE, TPGroup, local_config, vocab_logits
 
 
 class TargetModel(nn.Module):
     """Decoder-only target model over an external `KVCache`.
 
     Build on `device="meta"` and load with `load_state_dict(..., assign=True)` to avoid
-    allocating weights twice; the loaders do that.
+    allocating weights twice; the loaders do that. With a tensor-parallel group `tp` of N > 1
+    ranks the layers are this rank's shard: `config` is the local config (split counts / N,
+    tensor_parallel.py) and `full_config` the checkpoint's; the forward adds the collectives.
     """
 
     def __init__(
-        self, cfg: TargetConfig, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+        self, cfg: TargetConfig, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.config = cfg
+        self.tp, self.full_config = tp, cfg
+        self.config = cfg = local_config(cfg, tp.size, tp.rank)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
@@ -148,14 +153,19 @@ class TargetModel(nn.Module):
         ops, eps, offset = kernels, cfg.rms_norm_eps, cfg.norm_offset
         captured: dict[int, torch.Tensor] = {}
         last = cfg.num_layers - 1
+        reduce = self.tp.all_reduce if self.tp.size > 1 else None  # row-parallel partial sums -> the full delta
         h = ops.rms(x, self.layers[0].input_layernorm.weight, eps, offset)
         for i, layer in enumerate(self.layers):
             if layer.is_linear:
                 delta = layer.linear_attn(h, linear, layer.slot, recorded)
             else:
                 delta = layer.self_attn(h, cos, sin, cache, layer.slot, window=window, kernels=kernels)
+            if reduce is not None:
+                delta = reduce(delta)
             x, h = ops.add_rms(x, delta, layer.post_attention_layernorm.weight, eps, offset)
             delta = layer.mlp(h) if isinstance(layer.mlp, SparseMoeBlock) else layer.mlp(h, kernels)
+            if reduce is not None:
+                delta = reduce(delta)
             norm = self.layers[i + 1].input_layernorm.weight if i < last else self.norm.weight
             x, h = ops.add_rms(x, delta, norm, eps, offset)  # h: the next layer's input (the final norm at the end)
             if i in taps:
@@ -170,5 +180,7 @@ class TargetModel(nn.Module):
             rows = h.index_select(1, logit_rows)
         else:  # [B, R]: per-sequence rows
             rows = h.gather(1, logit_rows[:, :, None].expand(-1, -1, h.shape[-1]))
+        if self.tp.size > 1:
+            return vocab_logits(rows, self.head_weight(), self.tp), tapped  # [B, R, V], gathered
         logits = F.linear(rows, self.head_weight()).float()  # [B, R, V]
         return logits, tapped

@@ -35,6 +35,7 @@ from draftflow.plugin import (
     NodeType,
     ParamSpec,
     Port,
+    Problem,
     TargetHandle,
     TargetInfo,
     TargetOutput,
@@ -45,6 +46,7 @@ from draftflow.plugin import (
 from draftflow.layers.config import TargetConfig, weight_bytes
 from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
+from draftflow.layers import tensor_parallel
 
 # Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
 # covers prompt + max tokens of typical requests. Measured at Qwen3-8B shapes, bf16, H200 (docs/BENCHMARKS.md):
@@ -105,7 +107,10 @@ def target_info(params) -> TargetInfo:
 
 
 def manifest(params, env) -> Manifest:
-    cfg = read_any_config(params["path"])
+    """Sizes are per rank: with tensor_parallel N the layers, KV cache and linear states are one rank's shard
+    (tensor_parallel.local_config); the embedding, head and feature taps are whole on every rank."""
+    full = read_any_config(params["path"])
+    cfg = tensor_parallel.local_config(full, env.tensor_parallel)
     dtype = getattr(torch, env.dtype)
     taps = tuple(params["tap_layers"])
     bad = [t for t in taps if not 0 <= t < cfg.num_layers]
@@ -124,10 +129,12 @@ def manifest(params, env) -> Manifest:
     provides = {"target.logits", f"kv.{params['kv_mode']}", TARGET_HANDLE}
     if taps:
         owns.append(BufferSpec("target_features", (BATCH, kv_dim(window), len(taps) * cfg.hidden_size), env.dtype,
-                               doc="feature taps of every position, concatenated in tap order"))
+                               doc="feature taps of every position, concatenated in tap order (whole on every rank)"))
         provides.add("target.features")
     rows = max(SCRATCH_TOKENS, env.max_batch * (env.num_draft + 1))  # a prefill chunk or every slot's verify window
     scratch = rows * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype.itemsize + rows * cfg.vocab_size * 4
+    if env.tensor_parallel > 1:  # the gathered slices before they are joined
+        scratch += rows * cfg.vocab_size * 4
     weights, pool = weight_bytes(cfg, dtype), None
     if cfg.moe_layers:  # routed experts are an elastic pool, not weights (docs/MOE.md)
         from draftflow.layers.moe import expert_pool_vram
@@ -180,8 +187,9 @@ class Target(Node):
             from draftflow.plugins.target.gguf_loader import load_gguf as load
         else:
             from draftflow.plugins.target.hf_loader import load_hf as load
-        loaded = load(p["path"], ctx.device, ctx.dtype)
-        self.model = loaded.model.eval()
+        self.tp = tensor_parallel.group(ctx.tensor_parallel, str(ctx.device))  # SINGLE for one rank
+        loaded = load(p["path"], ctx.device, ctx.dtype, self.tp)
+        self.model = loaded.model.eval()  # model.config: this rank's shapes; self.config: the checkpoint's
         self.config = loaded.config
         self.vocab_size = loaded.config.vocab_size
         self.eos_ids = loaded.eos_ids
@@ -192,7 +200,7 @@ class Target(Node):
         if p["kv_mode"] == "static":
             self.cache = KVCache.from_static(ctx.buffers["kv_cache"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]
         else:
-            self.cache = KVCache.growing(self.config, ctx.max_batch, ctx.kv_tokens + window, ctx.dtype, ctx.device,
+            self.cache = KVCache.growing(self.model.config, ctx.max_batch, ctx.kv_tokens + window, ctx.dtype, ctx.device,
                                          p["grow_chunk"])
         self.linear = None
         if self.config.is_hybrid:
@@ -299,7 +307,7 @@ class Target(Node):
             return
         device = self.ctx.device
         ids = torch.tensor([c + [0] * (t - len(c)) for c in contexts], dtype=torch.long, device=device)  # [G, T]
-        scratch = KVCache.from_static(torch.empty(static_shape(self.config, len(group), t), dtype=self.ctx.dtype,
+        scratch = KVCache.from_static(torch.empty(static_shape(self.model.config, len(group), t), dtype=self.ctx.dtype,
                                                   device=device))
         chunk, tapped = self.ctx.params["prefill_chunk"], []
         for start in range(0, t, chunk):
@@ -358,6 +366,8 @@ class Target(Node):
         proposal = inputs.get("proposal")
         n = batch.size
         drafts = proposal.tokens if proposal is not None and proposal.tokens.shape[1] else None  # [n, K]
+        if drafts is not None and self.tp.size > 1:  # every rank verifies rank 0's drafts (docs/TENSOR_PARALLEL.md)
+            drafts = self.tp.broadcast(drafts.contiguous())
         w = 1 + (0 if drafts is None else drafts.shape[1])
         lengths = self.cache.lengths
         anchors = [r.anchor if r is not None else 0 for r in batch.rows]
@@ -391,6 +401,26 @@ class Target(Node):
     def release(self, req):
         """The slot's rows are reset by the next prefill into it; only forget whose chunks it holds."""
         self.partial.pop(req.slot, None)
+
+
+def check_tensor_parallel(plan):
+    """tensor_parallel N: every count the target splits over N ranks must divide by N (one problem each)."""
+    size = plan.spec.tensor_parallel
+    if size == 1:
+        return []
+    out = []
+    for name, node in plan.nodes.items():
+        if node.node_type.factory is not Target:
+            continue
+        cfg = read_any_config(node.params["path"])
+        for message, fix in tensor_parallel.divisibility_problems(cfg, size):
+            out.append(Problem(name, "tensor-parallel", message, fix, node.node_type.name, plan.spec.at("tensor_parallel")))
+    return out
+
+
+@hookimpl
+def draftflow_add_checks(registry):
+    registry.add_check("tensor-parallel", check_tensor_parallel)
 
 
 @hookimpl

@@ -1,0 +1,88 @@
+"""`--tp N`: a command run as N local processes, one per rank, like `torchrun --nproc-per-node N` on one host.
+
+Each worker is the same `python -m draftflow ...` command with torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT: a free port), so both launchers run one
+code path: the session joins the process group from that environment (NCCL on CUDA, gloo on the
+CPU). Rank 0 prints and serves; the others' output goes nowhere, their errors to a log that is
+shown when a follower alone fails. When one worker fails, the others are stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from draftflow.core.errors import DraftflowError
+
+POLL_S = 0.05
+FOLLOWER_GRACE_S = 60.0  # after rank 0 ended well, how long the followers get to see its close and exit
+LOG_TAIL = 4000
+
+
+def tp_overrides(args) -> list:
+    """`--tp N` as the graph override it stands for (errors about the value then name `--tp N`)."""
+    tp = getattr(args, "tp", None)
+    return [] if tp is None else [(f"--tp {tp}", f"tensor_parallel={tp}")]
+
+
+def should_launch(args) -> bool:
+    """Whether this process is the one `--tp N` (N > 1) starts the ranks from: not a rank already (torchrun or our
+    own workers set RANK), and a command that runs a graph."""
+    return (getattr(args, "tp", None) or 1) > 1 and args.command in ("generate", "serve") and "RANK" not in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], size: int) -> int:
+    """Run `draftflow ARGV` as ``size`` ranks; return rank 0's exit code (a follower's when only it failed)."""
+    if size > 64:
+        raise DraftflowError(f"--tp {size}: at most 64 ranks; pass the number of GPUs to shard the target over")
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = None if rank == 0 else tempfile.TemporaryFile()
+        logs.append(log)
+        quiet = {} if rank == 0 else {"stdout": subprocess.DEVNULL, "stderr": log, "stdin": subprocess.DEVNULL}
+        procs.append(subprocess.Popen([sys.executable, "-m", "draftflow", *argv], env=env, **quiet))
+    try:
+        codes, failed = _wait(procs)
+    except KeyboardInterrupt:  # the workers got the same SIGINT (one process group): let them finish it
+        codes, failed = [p.wait() for p in procs], None
+    if failed is None or failed == 0:
+        return codes[0] if codes[0] >= 0 else 1
+    logs[failed].seek(0)
+    tail = logs[failed].read().decode(errors="replace")[-LOG_TAIL:]
+    sys.stderr.write(f"error: tensor-parallel rank {failed} exited with code {codes[failed]}:\n{tail}")
+    return codes[failed] if codes[failed] > 0 else 1
+
+
+def _wait(procs: list[subprocess.Popen]) -> tuple[list[int], int | None]:
+    """Wait for every worker: (exit codes, the rank that failed first or None). When one fails the rest are
+    stopped; when rank 0 is done the others get a grace period to exit."""
+    done_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return codes, None
+        failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            return [p.wait() for p in procs], failed
+        if codes[0] == 0:
+            done_at = done_at or time.monotonic()
+            if time.monotonic() - done_at > FOLLOWER_GRACE_S:
+                for p in procs[1:]:
+                    p.kill()
+        time.sleep(POLL_S)
