@@ -1,0 +1,158 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes): a sharded target emits exactly what the whole one emits.
+
+The two ranks are started once for the module (tp_testlib.py runs every scenario at tensor_parallel 1
+and 2); one test goes through the public CLI (`generate --tp 2`), which starts its own two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import TESTS, run_cli
+
+from draftflow.core.tp_launch import free_port
+from draftflow.tools.tiny_model import write_tiny_model
+
+sys.path.insert(0, str(TESTS / "plugins" / "dflash"))
+from dflash_testlib import BLOCK, agreeing_pair  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+GREEDY = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_new_tokens": 20, "ignore_eos": True}
+PROMPTS = [[3, 4, 5, 6], [10, 11, 12]]
+
+
+def _graph(target: Path, drafter: Path | None = None, **top) -> dict:
+    nodes = {"target": {"plugin": "target", "params": {"path": str(target)}}, "verify": {"plugin": "verifier"}}
+    if drafter is not None:
+        nodes["target"]["params"]["tap_layers"] = [1, 2]
+        nodes["drafter"] = {"plugin": "dflash", "params": {"path": str(drafter)}}
+    return {"name": "tp", "max_context": 128, **top, "nodes": nodes}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    target, drafter = agreeing_pair(root)
+    return {"dense": write_tiny_model(root / "dense", vocab=300, intermediate=96, corpus=["tensor parallel"] * 4),
+            "moe": write_tiny_model(root / "moe", vocab=300, experts=8, top_k=2, corpus=["tensor parallel"] * 4),
+            "hybrid": write_tiny_model(root / "hybrid", vocab=300, layers=4, hybrid=True, corpus=["tensor parallel"] * 4),
+            "target": target, "drafter": drafter, "root": root}
+
+
+@pytest.fixture(scope="module")
+def results(models):
+    """Every scenario at tensor_parallel 1 and 2, from one pair of gloo ranks."""
+    dflash = _graph(models["target"], models["drafter"], num_draft=BLOCK - 1)
+    scenarios = {
+        "dense": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": GREEDY},
+        "dense_sampled": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": SAMPLED},
+        "dense_batched": {"graph": _graph(models["dense"], max_batch=2), "prompts": PROMPTS, "sampling": GREEDY,
+                          "together": True},
+        "target_only": {"graph": _graph(models["target"]), "prompts": PROMPTS, "sampling": GREEDY},
+        "dflash": {"graph": dflash, "prompts": PROMPTS, "sampling": GREEDY},
+        "dflash_sampled": {"graph": dflash, "prompts": PROMPTS, "sampling": SAMPLED},
+        "moe": {"graph": _graph(models["moe"]), "prompts": PROMPTS, "sampling": GREEDY},
+        "hybrid": {"graph": _graph(models["hybrid"]), "prompts": PROMPTS, "sampling": GREEDY},
+    }
+    out = models["root"] / "out"
+    out.mkdir()
+    (out / "scenarios.json").write_text(json.dumps(scenarios))
+    port = str(free_port())
+    procs = []
+    for rank in range(2):  # output to files: a full pipe would stall one rank and with it the other
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        with open(out / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "tp_testlib.py"), str(out / "scenarios.json"),
+                                           str(out)], env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join((out / f"rank{r}.log").read_text() for r in range(2))
+    assert codes == [0, 0], logs[-4000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["dense", "dense_batched", "moe", "hybrid"])
+def test_greedy_sharded_equals_whole(results, name):
+    """Greedy float32 tokens at tensor_parallel 2 equal tensor_parallel 1 (dense, batched, MoE, hybrid)."""
+    r = results[name]
+    assert r["tp2"]["tokens"] == r["tp1"]["tokens"]
+    assert all(len(t) == GREEDY["max_new_tokens"] for t in r["tp2"]["tokens"])
+
+
+def test_each_rank_holds_half_the_heads(results):
+    """Rank 0's shard: 2 of 4 query heads, 1 of 2 KV heads, and a KV cache of 1 KV head."""
+    r = results["dense"]
+    assert r["tp1"]["heads"] == [4, 2] and r["tp2"]["heads"] == [2, 1]
+    assert r["tp1"]["kv_shape"][4] == 2 and r["tp2"]["kv_shape"][4] == 1
+
+
+def test_sampled_with_seed_sharded_equals_whole(results):
+    """T > 0 with a seed: the same tokens at tensor_parallel 2 as at 1 (target-only and with a DFlash drafter)."""
+    for name in ("dense_sampled", "dflash_sampled"):
+        assert results[name]["tp2"]["tokens"] == results[name]["tp1"]["tokens"], name
+
+
+def test_dflash_drafter_on_a_sharded_target_is_lossless(results):
+    """A replicated DFlash drafter over a sharded target: target-only tokens, with drafts accepted."""
+    r = results["dflash"]
+    assert r["tp2"]["tokens"] == r["tp1"]["tokens"] == results["target_only"]["tp1"]["tokens"]
+    assert results["target_only"]["tp2"]["tokens"] == results["target_only"]["tp1"]["tokens"]
+    assert r["tp2"]["accepted"] == r["tp1"]["accepted"] > 0
+
+
+def test_cli_generate_tp2_json(models, tmp_path):
+    """`draftflow generate --tp 2 --json` (two spawned ranks) prints what the one-process run prints, once."""
+    common = ["generate", "--target", models["target"], "--dflash", models["drafter"], "--prompt-ids", "3,4,5,6",
+              "--max-new-tokens", "16", "--ignore-eos", "--json"]
+    sharded = run_cli([*common, "--tp", "2"], cwd=tmp_path)
+    whole = run_cli(common, cwd=tmp_path)
+    assert sharded.returncode == 0 and whole.returncode == 0, sharded.stderr + whole.stderr
+    assert len(sharded.stdout.strip().splitlines()) == 1  # rank 0 prints; rank 1 does not
+    a, b = json.loads(sharded.stdout), json.loads(whole.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["stats"]["accepted"] == b["stats"]["accepted"] > 0
+
+
+def test_check_refuses_counts_not_divisible(models, tmp_path):
+    """`check --tp 3`: one error line per split count that 3 does not divide, each with the fix."""
+    graph = tmp_path / "g.yaml"
+    graph.write_text(f"nodes:\n  target: {{plugin: target, params: {{path: {models['dense']}}}}}\n  verify: {{plugin: verifier}}\n")
+    out = run_cli(["check", graph, "--tp", "3"], cwd=tmp_path)
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.splitlines() if "[tensor-parallel]" in line]
+    assert len(lines) == 2, out.stderr  # heads 4 and KV heads 2; the MLP width 96 divides by 3
+    assert any("attention heads (num_attention_heads) = 4 is not divisible by tensor_parallel 3" in line for line in lines)
+    assert any("KV heads (num_key_value_heads) = 2 is not divisible by tensor_parallel 3" in line for line in lines)
+    assert all("fix: use a tensor_parallel that divides every split count of this model (1, 2)" in line for line in lines)
+
+
+def test_check_prints_the_per_rank_plan(models, tmp_path):
+    """`check --tp 2` plans one rank: the target's KV cache is half of the whole one's."""
+    graph = tmp_path / "g.yaml"
+    graph.write_text(f"max_context: 128\nnodes:\n  target: {{plugin: target, params: {{path: {models['dense']}}}}}\n"
+                     "  verify: {plugin: verifier}\n")
+    whole, sharded = run_cli(["check", graph], cwd=tmp_path), run_cli(["check", graph, "--tp", "2"], cwd=tmp_path)
+    assert whole.returncode == sharded.returncode == 0, whole.stderr + sharded.stderr
+    assert "VRAM plan per rank, tensor_parallel 2" in sharded.stdout
+    kv = {text: next(line.split()[3:5] for line in out.stdout.splitlines() if line.strip().startswith("kv_cache"))
+          for text, out in (("whole", whole), ("sharded", sharded))}  # kv_cache  target  -  32.62 KiB
+    assert kv["sharded"][1] == kv["whole"][1] and float(kv["sharded"][0]) * 2 == float(kv["whole"][0])
+
+
+def test_one_process_asked_for_two_ranks_is_one_error_line(models, tmp_path):
+    """`--set tensor_parallel=2` without a launcher: one line naming --tp and torchrun."""
+    out = run_cli(["generate", "--target", models["dense"], "--prompt-ids", "1,2", "--set", "tensor_parallel=2"], cwd=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "error: tensor_parallel 2 needs 2 processes, one per rank, but this is a single process; run it with "
+        "`draftflow generate/serve ... --tp 2` or `torchrun --nproc-per-node 2 -m draftflow ...`"]
