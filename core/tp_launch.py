@@ -10,6 +10,7 @@ shown when a follower alone fails. When one worker fails, the others are stopped
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,13 +21,20 @@ from draftflow.core.errors import DraftflowError
 
 POLL_S = 0.05
 FOLLOWER_GRACE_S = 60.0  # after rank 0 ended well, how long the followers get to see its close and exit
+STOP_GRACE_S = 10.0  # after an interrupt, how long the workers get to end cleanly
 LOG_TAIL = 4000
 
 
 def tp_overrides(args) -> list:
-    """`--tp N` as the graph override it stands for (errors about the value then name `--tp N`)."""
+    """`--tp N` as the graph override it stands for (errors about the value then name `--tp N`); under torchrun
+    without `--tp`, the process count (WORLD_SIZE) for generate and serve."""
     tp = getattr(args, "tp", None)
-    return [] if tp is None else [(f"--tp {tp}", f"tensor_parallel={tp}")]
+    if tp is not None:
+        return [(f"--tp {tp}", f"tensor_parallel={tp}")]
+    world = os.environ.get("WORLD_SIZE", "1")
+    if "RANK" in os.environ and world.isdigit() and int(world) > 1 and args.command in ("generate", "serve"):
+        return [(f"torchrun's WORLD_SIZE {world}", f"tensor_parallel={world}")]
+    return []
 
 
 def should_launch(args) -> bool:
@@ -54,16 +62,36 @@ def launch(argv: list[str], size: int) -> int:
         logs.append(log)
         quiet = {} if rank == 0 else {"stdout": subprocess.DEVNULL, "stderr": log, "stdin": subprocess.DEVNULL}
         procs.append(subprocess.Popen([sys.executable, "-m", "draftflow", *argv], env=env, **quiet))
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         codes, failed = _wait(procs)
-    except KeyboardInterrupt:  # the workers got the same SIGINT (one process group): let them finish it
-        codes, failed = [p.wait() for p in procs], None
+    except KeyboardInterrupt:  # Ctrl-C reached the workers too; SIGTERM only this process: pass it on to rank 0
+        codes, failed = _stop(procs), None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if failed is None or failed == 0:
         return codes[0] if codes[0] >= 0 else 1
     logs[failed].seek(0)
     tail = logs[failed].read().decode(errors="replace")[-LOG_TAIL:]
     sys.stderr.write(f"error: tensor-parallel rank {failed} exited with code {codes[failed]}:\n{tail}")
     return codes[failed] if codes[failed] > 0 else 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _stop(procs: list[subprocess.Popen]) -> list[int]:
+    """Ask rank 0 to end (serve closes its session, which releases the followers); then stop what is left."""
+    if procs[0].poll() is None:
+        procs[0].send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(POLL_S)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs]
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[list[int], int | None]:

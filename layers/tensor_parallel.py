@@ -57,9 +57,9 @@ class TPGroup:
 
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
         """Every rank's vocabulary slice of the logits, joined: [..., ceil(V/N)] -> [..., V]."""
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)[..., :vocab]
+        parts = local.new_empty((self.size * local.shape[0], *local.shape[1:]))  # [N*B, ..., V/N]: one collective
+        _gather_single(parts, local.contiguous(), group=self.group)
+        return parts.unflatten(0, (self.size, -1)).movedim(0, -2).flatten(-2)[..., :vocab]
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's values of ``x`` on every rank, in place (same shape everywhere)."""
@@ -72,6 +72,8 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
 
 SINGLE = TPGroup()
 _GROUPS: dict[int, TPGroup] = {}  # one process group per process, built on first use

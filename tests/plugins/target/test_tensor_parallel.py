@@ -57,6 +57,8 @@ def results(models):
         "target_only": {"graph": _graph(models["target"]), "prompts": PROMPTS, "sampling": GREEDY},
         "dflash": {"graph": dflash, "prompts": PROMPTS, "sampling": GREEDY},
         "dflash_sampled": {"graph": dflash, "prompts": PROMPTS, "sampling": SAMPLED},
+        "dflash_policy": {"graph": {**dflash, "nodes": {**dflash["nodes"], "policy": {"plugin": "adaptive_k"}}},
+                          "prompts": PROMPTS, "sampling": GREEDY},
         "moe": {"graph": _graph(models["moe"]), "prompts": PROMPTS, "sampling": GREEDY},
         "hybrid": {"graph": _graph(models["hybrid"]), "prompts": PROMPTS, "sampling": GREEDY},
     }
@@ -109,6 +111,8 @@ def test_dflash_drafter_on_a_sharded_target_is_lossless(results):
     assert r["tp2"]["tokens"] == r["tp1"]["tokens"] == results["target_only"]["tp1"]["tokens"]
     assert results["target_only"]["tp2"]["tokens"] == results["target_only"]["tp1"]["tokens"]
     assert r["tp2"]["accepted"] == r["tp1"]["accepted"] > 0
+    # A policy times cycles, which differ per rank: rank 0's K is every rank's, so the ranks stay in step.
+    assert results["dflash_policy"]["tp2"]["tokens"] == r["tp1"]["tokens"]
 
 
 def test_cli_generate_tp2_json(models, tmp_path):
