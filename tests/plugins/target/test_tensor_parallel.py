@@ -16,6 +16,7 @@ import pytest
 from helpers import TESTS, run_cli
 
 from draftflow.core.tp_launch import free_port
+from draftflow.tools.convert_gguf import convert_hf_to_gguf
 from draftflow.tools.tiny_model import write_tiny_model
 
 sys.path.insert(0, str(TESTS / "plugins" / "dflash"))
@@ -39,7 +40,10 @@ def _graph(target: Path, drafter: Path | None = None, **top) -> dict:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     target, drafter = agreeing_pair(root)
-    return {"dense": write_tiny_model(root / "dense", vocab=300, intermediate=96, corpus=["tensor parallel"] * 4),
+    dense = write_tiny_model(root / "dense", vocab=300, intermediate=96, corpus=["tensor parallel"] * 4)
+    convert_hf_to_gguf(dense, root / "dense-q8_0.gguf", "q8_0")
+    return {"gguf": root / "dense-q8_0.gguf",
+            "dense": dense,
             "moe": write_tiny_model(root / "moe", vocab=300, experts=8, top_k=2, corpus=["tensor parallel"] * 4),
             "hybrid": write_tiny_model(root / "hybrid", vocab=300, layers=4, hybrid=True, corpus=["tensor parallel"] * 4),
             "target": target, "drafter": drafter, "root": root}
@@ -51,9 +55,11 @@ def results(models):
     dflash = _graph(models["target"], models["drafter"], num_draft=BLOCK - 1)
     scenarios = {
         "dense": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": GREEDY},
-        "dense_sampled": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": SAMPLED},
+        "dense_sampled": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": SAMPLED,
+                          "overrides": ["nodes.target.kv_mode=grow"]},
         "dense_batched": {"graph": _graph(models["dense"], max_batch=2), "prompts": PROMPTS, "sampling": GREEDY,
                           "together": True},
+        "gguf": {"graph": _graph(models["gguf"]), "prompts": PROMPTS, "sampling": GREEDY},
         "target_only": {"graph": _graph(models["target"]), "prompts": PROMPTS, "sampling": GREEDY},
         "dflash": {"graph": dflash, "prompts": PROMPTS, "sampling": GREEDY},
         "dflash_sampled": {"graph": dflash, "prompts": PROMPTS, "sampling": SAMPLED},
@@ -61,6 +67,10 @@ def results(models):
                           "prompts": PROMPTS, "sampling": GREEDY},
         "moe": {"graph": _graph(models["moe"]), "prompts": PROMPTS, "sampling": GREEDY},
         "hybrid": {"graph": _graph(models["hybrid"]), "prompts": PROMPTS, "sampling": GREEDY},
+        "hybrid_lookup": {"graph": {**_graph(models["hybrid"]), "nodes": {**_graph(models["hybrid"])["nodes"],
+                                                                          "lookup": {"plugin": "prompt-lookup"}}},
+                          "prompts": [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]], "sampling": GREEDY,
+                          "overrides": ["nodes.target.linear_rollback=replay"]},
     }
     out = models["root"] / "out"
     out.mkdir()
@@ -84,12 +94,15 @@ def results(models):
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["dense", "dense_batched", "moe", "hybrid"])
+@pytest.mark.parametrize("name", ["dense", "dense_batched", "gguf", "moe", "hybrid", "hybrid_lookup"])
 def test_greedy_sharded_equals_whole(results, name):
-    """Greedy float32 tokens at tensor_parallel 2 equal tensor_parallel 1 (dense, batched, MoE, hybrid)."""
+    """Greedy float32 tokens at tensor_parallel 2 equal tensor_parallel 1: dense (HF, GGUF q8_0; batched with
+    chunked prefill), MoE, hybrid (also drafted by prompt lookup, replay rollback)."""
     r = results[name]
     assert r["tp2"]["tokens"] == r["tp1"]["tokens"]
     assert all(len(t) == GREEDY["max_new_tokens"] for t in r["tp2"]["tokens"])
+    if name == "hybrid_lookup":  # the drafts were verified in windows (rollback of the sharded linear states)
+        assert r["tp2"]["drafted"] == r["tp1"]["drafted"] > 0
 
 
 def test_each_rank_holds_half_the_heads(results):
@@ -100,7 +113,8 @@ def test_each_rank_holds_half_the_heads(results):
 
 
 def test_sampled_with_seed_sharded_equals_whole(results):
-    """T > 0 with a seed: the same tokens at tensor_parallel 2 as at 1 (target-only and with a DFlash drafter)."""
+    """T > 0 with a seed: the same tokens at tensor_parallel 2 as at 1 (target-only with a growing KV cache, and
+    with a DFlash drafter)."""
     for name in ("dense_sampled", "dflash_sampled"):
         assert results[name]["tp2"]["tokens"] == results[name]["tp1"]["tokens"], name
 

@@ -28,15 +28,17 @@ def run_scenario(scenario: dict, tensor_parallel: int) -> dict | None:
         ex = session.executor
         sampling = SamplingParams(**scenario["sampling"])
         prompts = scenario["prompts"]
-        if scenario.get("together"):  # every prompt live at once: batched cycles (the server's path)
-            states = [ex.start(p, sampling) for p in prompts]
+        if scenario.get("together"):  # every prompt live at once, prefilled in chunks, batched cycles: the server's path
+            states = [ex.start(p, sampling, defer_prefill=True) for p in prompts]
+            while not all(s.ready for s in states):
+                ex.prefill_many([s for s in states if not s.ready], budget=3)
             while any(s.finish_reason is None for s in states):
                 ex.step([s for s in states if s.finish_reason is None])
             results = [ex.finish(s) for s in states]
         else:
             results = [session.generate(p, sampling) for p in prompts]
         target = ex.nodes["target"]
-        return {"tokens": [list(r.token_ids) for r in results],
+        return {"tokens": [list(r.token_ids) for r in results], "drafted": sum(r.stats["drafted"] for r in results),
                 "accepted": sum(r.stats["accepted"] for r in results),
                 "heads": [target.model.config.num_heads, target.model.config.num_kv_heads],
                 "kv_shape": list(target.cache.buffer.shape)}
