@@ -43,7 +43,8 @@ def run_serve(args) -> int:
             raise DraftflowError(f"{flag} is empty; pass a non-empty value")
     overrides = batch_overrides(Path(args.graph), args.overrides, args.max_batch)
     keys = tuple(args.api_keys) or tuple(k for k in [os.environ.get("DRAFTFLOW_API_KEY")] if k)
-    check_listen(args.host, args.port)  # a taken port or a wrong --host before the model loads
+    if os.environ.get("RANK", "0") == "0":  # tensor-parallel ranks > 0 mirror rank 0 and never listen
+        check_listen(args.host, args.port)  # a taken port or a wrong --host before the model loads
     # Session.open runs the full `check` (every problem at once) before anything is allocated or bound.
     session = Session.open(graph_path=Path(args.graph), overrides=overrides, trace=args.trace,
                            threads=getattr(args, "threads", None))

@@ -19,6 +19,7 @@ adds the collectives. With one rank nothing here runs and no collective is issue
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -115,6 +116,9 @@ def group(size: int, device: str = "cpu") -> TPGroup:
         if backend == "nccl":
             torch.cuda.set_device(torch.device(device))
         dist.init_process_group(backend, rank=where[0], world_size=where[1])
+        # Ours to end: a group left to interpreter teardown can abort the process ("terminate called without an
+        # active exception", gloo) after a clean run.
+        atexit.register(dist.destroy_process_group)
     if dist.get_world_size() != size:
         raise DraftflowError(f"tensor_parallel {size} but {dist.get_world_size()} processes were started; start "
                              f"one per rank: {LAUNCH_HINT.format(n=size)}")

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -174,3 +177,37 @@ def test_one_process_asked_for_two_ranks_is_one_error_line(models, tmp_path):
     assert out.stderr.strip().splitlines() == [
         "error: tensor_parallel 2 needs 2 processes, one per rank, but this is a single process; run it with "
         "`draftflow generate/serve ... --tp 2` or `torchrun --nproc-per-node 2 -m draftflow ...`"]
+
+
+def test_serve_tp2_answers_like_generate(models, tmp_path):
+    """`draftflow serve --tp 2`: rank 0 serves, concurrent requests come back as one-process `generate` prints them;
+    SIGTERM to the launcher ends every rank."""
+    graph = tmp_path / "g.yaml"
+    graph.write_text(f"name: tp\nmax_context: 128\nnodes:\n  target: {{plugin: target, params: {{path: {models['dense']}}}}}\n"
+                     "  verify: {plugin: verifier}\n")
+    server = subprocess.Popen([sys.executable, "-m", "draftflow", "serve", str(graph), "--tp", "2", "--port", "0",
+                               "--max-batch", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line + server.stderr.read()
+        bodies = [{"model": "tp", "prompt": "tensor", "max_tokens": 10, "temperature": 0},
+                  {"model": "tp", "prompt": "parallel", "max_tokens": 10, "temperature": 0.8, "seed": 5}]
+        with ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(lambda body: _post(match.group(1) + "/v1/completions", body), bodies))
+    finally:
+        server.terminate()
+        code = server.wait(timeout=60)
+    assert code == 0, server.stderr.read()
+    for body, answer in zip(bodies, served):
+        flags = ["--temperature", str(body["temperature"])] + (["--seed", str(body["seed"])] if "seed" in body else [])
+        ref = run_cli(["generate", "--graph", graph, "--prompt", body["prompt"], "--max-new-tokens", "10", "--json",
+                       *flags], cwd=tmp_path)
+        assert ref.returncode == 0, ref.stderr
+        assert answer["choices"][0]["text"] == json.loads(ref.stdout)["text"]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
