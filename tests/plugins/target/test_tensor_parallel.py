@@ -58,7 +58,7 @@ def results(models):
     dflash = _graph(models["target"], models["drafter"], num_draft=BLOCK - 1)
     scenarios = {
         "dense": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": GREEDY},
-        "dense_sampled": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": SAMPLED,
+        "dense_sampled": {"graph": _graph(models["dense"]), "prompts": PROMPTS, "sampling": {**SAMPLED, "logprobs": 2},
                           "overrides": ["nodes.target.kv_mode=grow"]},
         "dense_batched": {"graph": _graph(models["dense"], max_batch=2), "prompts": PROMPTS, "sampling": GREEDY,
                           "together": True},
@@ -116,8 +116,8 @@ def test_each_rank_holds_half_the_heads(results):
 
 
 def test_sampled_with_seed_sharded_equals_whole(results):
-    """T > 0 with a seed: the same tokens at tensor_parallel 2 as at 1 (target-only with a growing KV cache, and
-    with a DFlash drafter)."""
+    """T > 0 with a seed: the same tokens at tensor_parallel 2 as at 1 (target-only with a growing KV cache and
+    logprobs riding the verdict broadcast, and with a DFlash drafter)."""
     for name in ("dense_sampled", "dflash_sampled"):
         assert results[name]["tp2"]["tokens"] == results[name]["tp1"]["tokens"], name
 
