@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from draftflow.core import tp_launch
 
-        if tp_launch.should_launch(args):  # --tp N: N worker processes run this same command, one per rank
-            return tp_launch.launch(sys.argv[1:] if argv is None else list(argv), args.tp)
+        if (ranks := tp_launch.launch_size(args)) > 1:  # --tp N: N worker processes run this command, one per rank
+            return tp_launch.launch(sys.argv[1:] if argv is None else list(argv), ranks)
         if hasattr(args, "overrides"):
             args.overrides = list(args.overrides) + _expert_cache_overrides(args) + tp_launch.tp_overrides(args)
         return handler(args)

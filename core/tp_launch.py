@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from draftflow.core.errors import DraftflowError
 
@@ -37,10 +38,25 @@ def tp_overrides(args) -> list:
     return []
 
 
-def should_launch(args) -> bool:
-    """Whether this process is the one `--tp N` (N > 1) starts the ranks from: not a rank already (torchrun or our
-    own workers set RANK), and a command that runs a graph."""
-    return (getattr(args, "tp", None) or 1) > 1 and args.command in ("generate", "serve") and "RANK" not in os.environ
+def launch_size(args) -> int:
+    """How many ranks this `generate` / `serve` starts: `--tp N`, else the graph's `tensor_parallel` (a `--set`, then
+    the graph file); 1 inside a rank already (torchrun or our own workers set RANK) and for other commands."""
+    if args.command not in ("generate", "serve") or "RANK" in os.environ:
+        return 1
+    if getattr(args, "tp", None) is not None:
+        return args.tp
+    sets = [o.partition("=")[2].strip() for o in args.overrides if o.partition("=")[0].strip() == "tensor_parallel"]
+    if sets:
+        return int(sets[-1]) if sets[-1].isdigit() else 1  # a bad value: the spec reports it, in one process
+    if getattr(args, "graph", None):
+        from draftflow.core.spec import read_graph_dict
+
+        try:
+            value = read_graph_dict(Path(args.graph))[0].get("tensor_parallel", 1)
+        except DraftflowError:  # the session reports it
+            return 1
+        return value if isinstance(value, int) and not isinstance(value, bool) else 1
+    return 1
 
 
 def free_port() -> int:

@@ -170,22 +170,24 @@ def test_check_prints_the_per_rank_plan(models, tmp_path):
     assert kv["sharded"][1] == kv["whole"][1] and float(kv["sharded"][0]) * 2 == float(kv["whole"][0])
 
 
-def test_one_process_asked_for_two_ranks_is_one_error_line(models, tmp_path):
-    """`--set tensor_parallel=2` without a launcher: one line naming --tp and torchrun."""
-    out = run_cli(["generate", "--target", models["dense"], "--prompt-ids", "1,2", "--set", "tensor_parallel=2"], cwd=tmp_path)
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [
-        "error: tensor_parallel 2 needs 2 processes, one per rank, but this is a single process; run it with "
-        "`draftflow generate/serve ... --tp 2` or `torchrun --nproc-per-node 2 -m draftflow ...`"]
+def test_one_process_asked_for_two_ranks_is_one_error_line(models):
+    """A library caller opening a `tensor_parallel: 2` graph in one process (no launcher): one line naming both."""
+    from draftflow.core.errors import DraftflowError
+    from draftflow.core.session import Session
+
+    with pytest.raises(DraftflowError) as err:
+        Session.open(graph_dict=_graph(models["dense"], tensor_parallel=2))
+    assert str(err.value) == ("tensor_parallel 2 needs 2 processes, one per rank, but this is a single process; run it "
+                              "with `draftflow generate/serve ... --tp 2` or `torchrun --nproc-per-node 2 -m draftflow ...`")
 
 
 def test_serve_tp2_answers_like_generate(models, tmp_path):
-    """`draftflow serve --tp 2`: rank 0 serves, concurrent requests come back as one-process `generate` prints them;
-    SIGTERM to the launcher ends every rank."""
+    """`draftflow serve` of a graph with `tensor_parallel: 2`: rank 0 serves, concurrent requests come back as a
+    one-process `generate --tp 1` prints them; SIGTERM to the launcher ends every rank."""
     graph = tmp_path / "g.yaml"
-    graph.write_text(f"name: tp\nmax_context: 128\nnodes:\n  target: {{plugin: target, params: {{path: {models['dense']}}}}}\n"
-                     "  verify: {plugin: verifier}\n")
-    server = subprocess.Popen([sys.executable, "-m", "draftflow", "serve", str(graph), "--tp", "2", "--port", "0",
+    graph.write_text(f"name: tp\nmax_context: 128\ntensor_parallel: 2\nnodes:\n"
+                     f"  target: {{plugin: target, params: {{path: {models['dense']}}}}}\n  verify: {{plugin: verifier}}\n")
+    server = subprocess.Popen([sys.executable, "-m", "draftflow", "serve", str(graph), "--port", "0",
                                "--max-batch", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline()
@@ -201,8 +203,8 @@ def test_serve_tp2_answers_like_generate(models, tmp_path):
     assert code == 0, server.stderr.read()
     for body, answer in zip(bodies, served):
         flags = ["--temperature", str(body["temperature"])] + (["--seed", str(body["seed"])] if "seed" in body else [])
-        ref = run_cli(["generate", "--graph", graph, "--prompt", body["prompt"], "--max-new-tokens", "10", "--json",
-                       *flags], cwd=tmp_path)
+        ref = run_cli(["generate", "--graph", graph, "--tp", "1", "--prompt", body["prompt"], "--max-new-tokens", "10",
+                       "--json", *flags], cwd=tmp_path)
         assert ref.returncode == 0, ref.stderr
         assert answer["choices"][0]["text"] == json.loads(ref.stdout)["text"]
 
