@@ -12,12 +12,13 @@ before any tensor view is built.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import structlog
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from draftflow.layers.config import RopeScaling, TargetConfig, expected_tensors
@@ -61,9 +62,10 @@ def read_gguf_config(path: str | os.PathLike[str]) -> TargetConfig:
 def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype, tp: TPGroup = SINGLE) -> LoadedTarget:
     """Load config, weights (any of gguf_quants.SUPPORTED_TYPES, dequantized to `dtype`) and the embedded tokenizer.
 
-    With a tensor-parallel group `tp` each split tensor is dequantized whole (on the host when it is
-    split: quantized blocks run along rows, and llama's q/k rows are un-permuted per head first), then
-    only this rank's slice goes to the device.
+    With a tensor-parallel group `tp` a rank reads and dequantizes only its rows of a column-parallel
+    tensor, and only its columns of a row-parallel one when they fall on quantization-block
+    boundaries (`rank_view`); otherwise (unaligned columns, merged experts) the tensor is dequantized
+    whole on the host and sliced there. Only the rank's shard reaches the device.
     """
     source = str(path)
     reader = _open(path)
@@ -96,18 +98,19 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
         if hf not in local:  # o_proj's bias: rank 0 adds it
             continue
         pieces = shard_of(hf, full, local[hf], cfg, tp.rank, tp.size)
-        where = "cpu" if is_expert_tensor(hf) or pieces else device  # MoE experts stay on the host
-        if type(tensors[hf]) is tuple:  # one expert of a merged tensor (ReaderTensor is a NamedTuple)
+        view = rank_view(tensors[hf], found[hf], pieces) if pieces and type(tensors[hf]) is not tuple else None
+        where = "cpu" if is_expert_tensor(hf) or (pieces and view is None) else device  # MoE experts stay on the host
+        if view is not None:  # only this rank's rows (or block-aligned columns) are read and dequantized
+            w, pieces = dequantize(view, local[hf], where, dtype, _counted(tensors[hf], progress)), []
+        elif type(tensors[hf]) is tuple:  # one expert of a merged tensor (ReaderTensor is a NamedTuple)
             t, shape, j = tensors[hf]
             if last[0] is not t:
                 last = (t, dequantize(t, shape, where, dtype, _counted(t, progress)))
             w = last[1][j]
         else:
             w = dequantize(tensors[hf], found[hf], where, dtype, _counted(tensors[hf], progress))
-        if cfg.arch == "llama" and ".self_attn.q_proj." in hf:
-            w = llama_unpermute(w, cfg.num_heads)
-        elif cfg.arch == "llama" and ".self_attn.k_proj." in hf:
-            w = llama_unpermute(w, cfg.num_kv_heads)
+        if cfg.arch == "llama" and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
+            w = llama_unpermute(w, w.shape[0] // cfg.head_dim)  # per head: whole heads, or a rank's whole heads
         if pieces:
             w = take(w, pieces).to("cpu" if is_expert_tensor(hf) else device)
         state[hf.removeprefix("model.")] = w
@@ -123,6 +126,23 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
         if (v := _value(reader, f"tokenizer.ggml.{k}")) is not None
     )
     return LoadedTarget(model, cfg, gguf_tokenizer(reader), tuple(dict.fromkeys(eos)), source)
+
+
+def rank_view(t: Any, shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> Any | None:
+    """Tensor `t` (torch `shape`) narrowed to one rank's `pieces` without reading the rest: its rows (a row of a
+    quantized tensor is whole blocks), or its columns when they start and end on block boundaries. None when the
+    split needs the whole tensor (several pieces, unaligned columns)."""
+    if len(pieces) != 1 or not 1 <= len(shape) <= 2:
+        return None
+    dim, a, b = pieces[0]
+    data = t.data  # numpy, torch order: [rows, elements or bytes per row]
+    if dim == 0:
+        return SimpleNamespace(tensor_type=t.tensor_type, data=data[a:b])
+    block = GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)][0]
+    if a % block or b % block:
+        return None
+    per = data.shape[-1] // (shape[1] // block)  # numpy items per block of the row
+    return SimpleNamespace(tensor_type=t.tensor_type, data=data[:, a // block * per:b // block * per])
 
 
 def _counted(t: Any, progress: DequantProgress) -> DequantProgress | None:

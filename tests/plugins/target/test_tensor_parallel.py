@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TESTS, run_cli
 
 from draftflow.core.tp_launch import free_port
@@ -213,3 +214,28 @@ def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt", ["hf", "q8_0"])
+def test_each_rank_loads_exactly_its_slice(hf_dir, tmp_path, arch, fmt):
+    """Every tensor a rank loads (safetensors slices; GGUF rows, block-aligned columns, llama's q/k un-permuted per
+    head) equals that rank's slice of the whole load; o_proj's and q/k/v's biases included."""
+    from draftflow.layers.tensor_parallel import TPGroup, shard_of, take
+    from draftflow.plugins.target.gguf_loader import load_gguf
+    from draftflow.plugins.target.hf_loader import load_hf
+
+    _, path = hf_dir(arch)
+    load = load_hf
+    if fmt != "hf":
+        convert_hf_to_gguf(path, tmp_path / "m.gguf", fmt)
+        path, load = tmp_path / "m.gguf", load_gguf
+    whole = load(path, "cpu", torch.float32)
+    params = dict(whole.model.named_parameters())
+    for rank in range(2):
+        part = load(path, "cpu", torch.float32, TPGroup(rank, 2))
+        assert part.model.config.num_heads == 2 and part.config == whole.config
+        for name, p in part.model.named_parameters():
+            full = params[name]
+            pieces = shard_of(name, tuple(full.shape), tuple(p.shape), whole.config, rank, 2)
+            assert torch.equal(p, take(full, pieces) if pieces else full), (rank, name)
