@@ -22,7 +22,7 @@ from draftflow.core.errors import DraftflowError
 
 POLL_S = 0.05
 FOLLOWER_GRACE_S = 60.0  # after rank 0 ended well, how long the followers get to see its close and exit
-STOP_GRACE_S = 10.0  # after an interrupt, how long the workers get to end cleanly
+STOP_GRACE_S = 30.0  # after an interrupt, how long the workers get to end cleanly (a busy host is slow to)
 LOG_TAIL = 4000
 
 

@@ -200,14 +200,14 @@ def test_serve_tp2_answers_like_generate(models, tmp_path):
             served = list(pool.map(lambda body: _post(match.group(1) + "/v1/completions", body), bodies))
     finally:
         server.terminate()
-        code = server.wait(timeout=60)
-    assert code == 0, server.stderr.read()
+        code = server.wait(timeout=90)
+    assert code == 0, server.stdout.read() + server.stderr.read()
     for body, answer in zip(bodies, served):
         flags = ["--temperature", str(body["temperature"])] + (["--seed", str(body["seed"])] if "seed" in body else [])
         ref = run_cli(["generate", "--graph", graph, "--tp", "1", "--prompt", body["prompt"], "--max-new-tokens", "10",
                        "--json", *flags], cwd=tmp_path)
         assert ref.returncode == 0, ref.stderr
-        assert answer["choices"][0]["text"] == json.loads(ref.stdout)["text"]
+        assert answer["choices"][0]["text"] == json.loads(ref.stdout)["text"], (body, answer, ref.stdout)
 
 
 def _post(url: str, body: dict) -> dict:
