@@ -161,10 +161,10 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         try:
             recipe.module.load_state_dict(state["module"])
             opt.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["rng"])
-            sampler.generator.set_state(state["sampler_rng"])
+            torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device
+            sampler.generator.set_state(state["sampler_rng"].cpu())
             if state.get("recipe_rng") is not None and hasattr(recipe, "generator"):
-                recipe.generator.set_state(state["recipe_rng"])
+                recipe.generator.set_state(state["recipe_rng"].cpu())
             step, elapsed, losses, evaluations = state["step"], state["elapsed"], state["losses"], state["evaluations"]
         except (KeyError, RuntimeError, ValueError, TypeError) as exc:
             first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
