@@ -129,7 +129,9 @@ class KVCache:
         new_cap = min(chunks * root.chunk_tokens, root.max_tokens)
         shape = list(root._buf.shape)
         shape[3] = new_cap
-        grown = torch.empty(shape, dtype=root._buf.dtype, device=root._buf.device)
+        # zeros, not empty: a shorter row of a batch attends over the grown cells with weight 0, and 0 * NaN garbage
+        # would be NaN
+        grown = torch.zeros(shape, dtype=root._buf.dtype, device=root._buf.device)
         grown[:, :, :, : root.capacity] = root._buf
         root._buf = grown
 

@@ -8,10 +8,11 @@ requests too (rows draw only from their own generator).
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.core.executor import Executor
 from draftflow.core.node import SamplingParams
@@ -20,7 +21,7 @@ from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec, load_graph
 
 GRAPHS = ROOT / "graphs"
-DEMO = GRAPHS / "models" / "demo"
+DEMO = SMALL_PAIR
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(path):", "class Stack:\n    def __init__(self):",
            "for i in range(10):\n    print(", "def add(a, b):\n    return", "# sort a list\ndef sort(xs):",
            "with open('f') as f:", "try:\n    import numpy", "def main():\n    args =", "x = [i * i for i in",
@@ -28,26 +29,34 @@ PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(path):", "class Stack:\n 
            "while True:\n    line =", "def __repr__(self):\n    return"]
 
 
-def demo_lookup(max_batch: int) -> GraphSpec:
+LAST_LAYER = json.loads((DEMO / "target" / "config.json").read_text())["num_hidden_layers"] - 1
+
+
+def demo_lookup(max_batch: int, **target) -> GraphSpec:
     return GraphSpec.from_dict({
         "name": "demo-lookup", "num_draft": 4, "max_batch": max_batch,
-        "nodes": {"target": {"plugin": "target", "params": {"path": str(DEMO / "target")}},
+        "nodes": {"target": {"plugin": "target", "params": {"path": str(DEMO / "target"), **target}},
                   "lookup": {"plugin": "prompt-lookup"}, "verify": {"plugin": "verifier"}}})
+
+
+def demo_lookup_grow(max_batch: int) -> GraphSpec:
+    """A KV cache grown in 16-token chunks: rows of different lengths attend over freshly grown cells."""
+    return demo_lookup(max_batch, kv_mode="grow", grow_chunk=16)
 
 
 def demo_mtp(max_batch: int) -> GraphSpec:
     return GraphSpec.from_dict({
         "name": "demo-mtp", "num_draft": 3, "max_batch": max_batch,
-        "nodes": {"target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [3]}},
+        "nodes": {"target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [LAST_LAYER]}},
                   "mtp": {"plugin": "mtp", "params": {"path": str(DEMO / "mtp")}}, "verify": {"plugin": "verifier"}}})
 
 
 def yaml_graph(name: str):
-    return lambda max_batch: load_graph(GRAPHS / name, [f"max_batch={max_batch}"])
+    return lambda max_batch: load_graph(SMALL_PAIR / name, [f"max_batch={max_batch}"])
 
 
 GRAPH_KINDS = {"dflash": yaml_graph("demo.yaml"), "dflash2": yaml_graph("demo-dflash2.yaml"), "lookup": demo_lookup,
-               "mtp": demo_mtp}
+               "lookup-grow": demo_lookup_grow, "mtp": demo_mtp}
 
 
 def build(kind: str, max_batch: int) -> Executor:
