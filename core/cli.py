@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, ...)")
     g.add_argument("--stream", action="store_true", help="print the text as tokens are accepted")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
+    g.add_argument("--compare", action="store_true", help="then run the request on the graph's target alone (no "
+                   "drafters) and report its tokens/s and the speedup")
     _add_threads_arg(g)
     _add_graph_args(g, positional=False)
 
@@ -273,11 +275,18 @@ def cmd_generate(args) -> int:
                 session.registry.pm.unregister(printer)
     finally:
         session.close()
+    compared = None
+    if args.compare:
+        from draftflow.core.compare import compare
+
+        compared = compare(Session, session.plan, prompt_ids, sampling, result, args.threads)
     if args.json:
         out = {"text": result.text, "token_ids": list(result.token_ids), "prompt_token_ids": list(result.prompt_token_ids),
                "finish_reason": result.finish_reason, "stats": result.stats}
         if sampling.logprobs is not None:
             out["logprobs"] = logprob_rows(session.tokenizer, result)
+        if compared is not None:
+            out["compare"] = compared
         print(json.dumps(out))
     else:
         printer.finish(result.token_ids)
@@ -286,8 +295,20 @@ def cmd_generate(args) -> int:
         s = result.stats
         threads = f", {session.threads} thread{'s' if session.threads != 1 else ''}" if session.threads else ""
         print(f"[{len(result.token_ids)} tokens, {s['cycles']} cycles, tau {s['tau']:.2f}, acceptance {s['acceptance_rate']:.2f}, "
-              f"{s['tokens_per_s']:.1f} tok/s{threads}, finish: {result.finish_reason}]", file=sys.stderr)
+              f"{s['tokens_per_s']:.1f} tok/s{threads}, finish: {result.finish_reason}{_compared(compared, sampling)}]",
+              file=sys.stderr)
     return 0
+
+
+def _compared(compared: dict | None, sampling) -> str:
+    """The --compare part of the summary line."""
+    if compared is None:
+        return ""
+    speedup = f"{compared['speedup']:.2f}x" if compared["speedup"] else "-"
+    same = ""
+    if sampling.temperature == 0:  # greedy: speculation must not change a token
+        same = ", same tokens" if compared["identical"] else ", TOKENS DIFFER (please report this)"
+    return f"; target only {compared['target_only_tokens_per_s']:.1f} tok/s, speedup {speedup}{same}"
 
 
 def cmd_check(args) -> int:
