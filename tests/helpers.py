@@ -8,6 +8,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+# The small trained pair (1M-parameter target + DFlash, DFlash2, MTP; tests/data/demo_small/README.md): the mechanics
+# tests run on it; the shipped demo (graphs/models/demo, 17M parameters) only where the test is about the demo.
+SMALL_PAIR = TESTS / "data" / "demo_small"
 FIXTURES = TESTS / "fixtures"
 
 

@@ -7,7 +7,7 @@ import io
 import json
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.tools import load_test
 
@@ -18,7 +18,7 @@ def test_load_test_reports_each_concurrency():
     """Every level answers without errors through the openai client; percentiles are ordered; 32 clients batch."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = load_test.main(["--graph", str(ROOT / "graphs" / "demo.yaml"), "--concurrency", "1,8,32", "--max-tokens", "6",
+        code = load_test.main(["--graph", str(SMALL_PAIR / "demo.yaml"), "--concurrency", "1,8,32", "--max-tokens", "6",
                                "--requests", "32", "--warmup", "8", "--json"])
     report = json.loads(out.getvalue().splitlines()[-1])
     assert code == 0 and report["client"] == "openai"

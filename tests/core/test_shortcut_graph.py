@@ -12,9 +12,9 @@ from draftflow.core.errors import PluginError, SpecError
 from draftflow.core.registry import load_registry
 from draftflow.core.session import Session, shortcut_graph
 from draftflow.plugin import hookimpl
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, SMALL_PAIR
 
-DEMO = ROOT / "graphs" / "models" / "demo"
+DEMO = SMALL_PAIR
 
 
 def _args(**kw):

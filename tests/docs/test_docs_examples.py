@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import types
 
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.core.executor import Executor
 from draftflow.core.node import SamplingParams
@@ -23,7 +23,7 @@ def test_plugins_md_example_registers_and_runs():
     module = types.ModuleType("doc_example")
     exec(python_blocks(ROOT / "docs" / "PLUGINS.md")[0], module.__dict__)
     registry = load_registry(autoload=False, extra_plugins=(("doc_example", module),))
-    target = ROOT / "graphs" / "models" / "demo" / "target"
+    target = SMALL_PAIR / "target"
     graphs = {k: f"num_draft: 3\nnodes: {{target: {{plugin: target, params: {{path: {target}}}}}, {d}verify: {{plugin: verifier}}}}"
               for k, d in (("ngram", "d: {plugin: ngram}, "), ("alone", ""))}
     results = {}

@@ -11,12 +11,12 @@ import json
 import os
 import re
 
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, SMALL_PAIR
 
 from draftflow.core.registry import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV
 
 EXAMPLE = ROOT / "docs" / "examples" / "ngram_drafter.py"
-DEMO = ROOT / "graphs" / "models" / "demo" / "target"
+DEMO = SMALL_PAIR / "target"
 # The demo target's greedy continuation of this prompt repeats itself, so n-grams seen earlier are drafted again.
 PROMPT = ["--prompt-ids", "5,6,7,5,6,7,5,6", "--max-new-tokens", "48", "--json"]
 

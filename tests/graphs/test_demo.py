@@ -21,9 +21,11 @@ def prompts():
 
 
 def test_shipped_files_are_small_and_complete():
-    """Every shipped file is at most 16 MB; weights are safetensors and the tokenizer is tokenizer.json."""
+    """The demo files total at most 64 MB (issue 22), none near GitHub's 50 MB warning; weights are safetensors (bf16)
+    and the tokenizer is tokenizer.json."""
     files = [p for p in DEMO.rglob("*") if p.is_file()]
-    assert all(p.stat().st_size <= 16 << 20 for p in files), [(p.name, p.stat().st_size) for p in files]
+    assert sum(p.stat().st_size for p in files) <= 64_000_000, [(p.name, p.stat().st_size) for p in files]
+    assert all(p.stat().st_size <= 40_000_000 for p in files), [(p.name, p.stat().st_size) for p in files]
     names = {str(p.relative_to(DEMO)) for p in files}
     assert {"target/model.safetensors", "target/tokenizer.json", "target/config.json", "dflash/model.safetensors",
             "dflash/config.json", "mtp/mtp.safetensors", "mtp/config.json", "dflash2/model.safetensors",
@@ -40,7 +42,7 @@ def test_demo_graph_passes_the_greedy_gate_with_acceptance(prompts):
 def test_demo_mtp_head_passes_the_greedy_gate_with_acceptance(prompts, tmp_path):
     """The shipped MTP head on the demo target is lossless and accepts drafts."""
     spec = {"name": "demo-mtp", "device": "cpu", "dtype": "float32", "num_draft": 3, "nodes": {
-        "target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [3]}},
+        "target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [8]}},  # its last layer
         "mtp": {"plugin": "mtp", "params": {"path": str(DEMO / "mtp")}}, "verify": {"plugin": "verifier"}}}
     (tmp_path / "g.yaml").write_text(json.dumps(spec))
     report = greedy_gate(tmp_path / "g.yaml", prompts=prompts[:2], max_new_tokens=32)

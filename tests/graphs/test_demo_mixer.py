@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
 from draftflow.testing import greedy_gate
 
-DEMO = ROOT / "graphs" / "models" / "demo"
+DEMO = SMALL_PAIR
 
 
 def graph(mixer: bool) -> GraphSpec:

@@ -12,9 +12,9 @@ import torch
 from draftflow.core.node import GrammarSpec
 from draftflow.layers.grammar import GrammarCompiler
 from draftflow.plugin import RequestError
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
-TOKENIZER = ROOT / "graphs" / "models" / "demo" / "target" / "tokenizer.json"
+TOKENIZER = SMALL_PAIR / "target" / "tokenizer.json"
 VOCAB, EOS = 2048, 0
 SCHEMA = {
     "type": "object",

@@ -11,7 +11,7 @@ from harness import DEMO, GRAPHS, Case, copy_demo
 
 TINY = GRAPHS / "models" / "tiny-qwen3"
 TARGET_ONLY = "nodes:\n  target: {plugin: target, params: {path: target}}\n  verify: {plugin: verifier}\n"
-DEMO_GRAPH = "{graphs}/demo.yaml"
+DEMO_GRAPH = "{demo}/demo.yaml"
 
 
 def _graph(target="target", taps=(), drafter=None, extra=""):
@@ -271,7 +271,7 @@ CASES = [
     Case("check-mtp-config-missing", ["check", "{graphs}/mtp-lookup-mixer.yaml", "--set", "nodes.mtp.config={tmp}/none.json"],
          r"none\.json: no such config directory or config\.json; point params\.config at", lines=2),
     Case("check-mtp-no-mtp-weights", ["check", "{graphs}/mtp-lookup-mixer.yaml", "--set", "nodes.mtp.path={demo}/target"],
-         r"demo/target: no MTP weights found", lines=2),
+         r"demo_small/target: no MTP weights found", lines=2),
     Case("check-dflash-cuda-graphs-int", ["check", DEMO_GRAPH, "--set", "nodes.drafter.cuda_graphs=2"],
          r"parameter 'cuda_graphs': expected true or false, got 2", lines=2),
     Case("check-dflash-is-target", ["check", DEMO_GRAPH, "--set", "nodes.drafter.path={demo}/target"],

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from harness import DEMO, GRAPHS, Case, copy_demo, env_for
 
-DEMO_GRAPH = "{graphs}/demo.yaml"
+DEMO_GRAPH = "{demo}/demo.yaml"
 PROMPT = "def fibonacci(n):"
 # The demo graph with absolute model paths, for cases that copy or move the graph file.
-GRAPH = (GRAPHS / "demo.yaml").read_text().replace("models/demo", "{graphs}/models/demo")
+GRAPH = (DEMO / "demo.yaml").read_text().replace("path: ./", "path: {demo}/")
 # The demo graph whose target path is a placeholder, as in docs/examples/draftflow-bigram/bigram.yaml.
-PLACEHOLDER_GRAPH = GRAPH.replace("{graphs}/models/demo/target", "PATH/TO/MODEL")
+PLACEHOLDER_GRAPH = GRAPH.replace("{demo}/target", "PATH/TO/MODEL")
 
 
 def _gen(*argv, new="4"):
@@ -101,7 +101,7 @@ def _nested_graph(tmp: Path) -> None:
     copy_demo(tmp, "dflash")
     sub = tmp / "sub"
     sub.mkdir()
-    (sub / "g.yaml").write_text(PLACEHOLDER_GRAPH.replace("{graphs}", str(GRAPHS)))
+    (sub / "g.yaml").write_text(PLACEHOLDER_GRAPH.replace("{demo}", str(DEMO)))
 
 
 CASES = [
@@ -118,7 +118,7 @@ CASES = [
     Case("gen-max-new-tokens-negative", _gen(PROMPT, new="-3"), r"'max_new_tokens' is -3"),
     Case("gen-max-new-tokens-huge", _gen(PROMPT, new="1000000000000"), r"'max_new_tokens' is 1000000000000; it must be an integer in"),
     Case("gen-max-new-tokens-past-context", _gen(PROMPT, new="100000"),
-         r"max_new_tokens \(100000\) = \d+ exceeds the context of 512 tokens"),
+         r"max_new_tokens \(100000\) = \d+ exceeds the context of 1024 tokens"),  # the shipped demo's
     Case("gen-seed-huge", _gen(PROMPT, "--seed", "100000000000000000000000"), r"'seed' is 100000000000000000000000; it must be an integer in \[0, "),
     Case("gen-seed-negative", _gen(PROMPT, "--seed=-1"), r"'seed' is -1"),
     Case("gen-seed-word", _gen(PROMPT, "--seed", "abc"), r"--seed: invalid int value", exit=2),
@@ -167,7 +167,7 @@ CASES = [
     Case("gen-prompt-ids-only-commas", _gen("--prompt-ids", ",,"), r"--prompt-ids ',,': no token ids"),
     Case("gen-prompt-ids-negative", _gen("--prompt-ids=-5,1"), r"--prompt-ids: -5 is not a token id"),
     Case("gen-prompt-ids-huge", _gen("--prompt-ids", "1," + "9" * 30), r"--prompt-ids: 9{30} is not a token id"),
-    Case("gen-prompt-ids-out-of-vocab", _gen("--prompt-ids", "1,99999"), r"prompt token id 99999 is outside the vocabulary \[0, 2048\)"),
+    Case("gen-prompt-ids-out-of-vocab", _gen("--prompt-ids", "1,99999"), r"prompt token id 99999 is outside the vocabulary \[0, 8192\)"),
     Case("gen-prompt-ids-echoed", _gen("--prompt-ids", "325,285,73"), r"\[4 tokens", exit=0, check=_ids_echo),
     # --- output: the prompt is echoed, --stream prints the same text, --json is unchanged ---
     Case("gen-echo-prompt", ["generate", PROMPT, "--max-new-tokens", "24"], r"\[24 tokens", exit=0, check=_echoes_prompt),
@@ -219,6 +219,6 @@ CASES = [
     # --- threads ---------------------------------------------------------------------------
     Case("gen-threads-zero", _gen(PROMPT, "--threads", "0"), r"--threads 0: it must be at least 1"),
     Case("gen-threads-two", _gen(PROMPT, "--threads", "2"), r"2 threads", exit=0),
-    Case("gen-default-threads-small-target", _gen(PROMPT), r"1 thread,", exit=0),
+    Case("gen-default-threads-small-target", _gen(PROMPT, "--graph", DEMO_GRAPH), r"1 thread,", exit=0),  # 4 MB target
     Case("gen-serve-threads-zero", ["serve", DEMO_GRAPH, "--threads", "0"], r"--threads 0: it must be at least 1"),
 ]

@@ -10,7 +10,7 @@ DONE = ('{"event": "request_done", "request_id": "r1", "tokens": 3, "cycles": 1,
         '"tau": 3.0, "acceptance_rate": 0.667, "per_position_acceptance": [1.0, 1.0, 0.0], "tokens_per_s": 50.0, '
         '"ttft_s": 0.02, "finish_reason": "length"}\n')
 TRACE = CYCLE + CYCLE.replace('"cycle": 0', '"cycle": 1') + DONE
-GRAPH = "{graphs}/demo.yaml"
+GRAPH = "{demo}/demo.yaml"
 # A folder on PYTHONPATH whose `matplotlib` fails to import, as on an install without the plot extra.
 NO_MPL = {"files": {"nompl/matplotlib/__init__.py": "raise ImportError(\"No module named 'matplotlib'\")\n"},
           "env": {"PYTHONPATH": "nompl"}}

@@ -7,7 +7,7 @@ bound (no hang), print no traceback, print exactly one `error: ...` line for a u
 and leave every input file byte-for-byte unchanged unless the case names it as an output.
 
 Placeholders in argv and file contents: ``{tmp}`` (the case's folder), ``{demo}`` (the
-shipped demo model folder), ``{graphs}`` (the shipped graphs folder), ``{fixtures}``.
+small trained pair of tests/data/demo_small, with its demo.yaml), ``{graphs}`` (the shipped graphs folder), ``{fixtures}``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
 FIXTURES = TESTS / "fixtures"
 GRAPHS = ROOT / "graphs"
-DEMO = GRAPHS / "models" / "demo"
+DEMO = TESTS / "data" / "demo_small"  # the small trained pair and its graphs (its README.md)
 
 
 @attrs.frozen

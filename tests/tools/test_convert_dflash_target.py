@@ -7,12 +7,12 @@ import re
 
 import pytest
 from gguf import GGUFReader
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.plugins.dflash.loader import read_config
 from draftflow.tools import convert_dflash, convert_gguf
 
-DEMO = ROOT / "graphs" / "models" / "demo"
+DEMO = SMALL_PAIR
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 from safetensors.torch import load_file
 
 from draftflow.layers.gguf_names import hf_to_gguf_name
@@ -80,7 +80,7 @@ def test_each_tensor_gets_llama_cpps_type_and_gguf_quantizer_bytes(models, tmp_p
 @pytest.mark.parametrize("outtype", ["q4_0", "q5_1"])
 def test_tied_embedding_is_the_head_and_goes_q8_0(tmp_path, outtype):
     """In a tied model (the demo target) token_embd is the output head, so it gets the head's Q8_0."""
-    reader = _convert(ROOT / "graphs" / "models" / "demo" / "target", tmp_path / "m.gguf", outtype)
+    reader = _convert(SMALL_PAIR / "target", tmp_path / "m.gguf", outtype)
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert "output.weight" not in types and types["token_embd.weight"] == Q.Q8_0
     assert types["blk.0.attn_q.weight"] == types["blk.3.ffn_down.weight"] == QUANTIZED[outtype]

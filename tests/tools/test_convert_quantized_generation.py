@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.core.cli import main as draftflow
 from draftflow.layers.kv_cache import KVCache
@@ -14,7 +14,7 @@ from draftflow.plugins.target.gguf_loader import load_gguf
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.tools import convert_dflash, convert_gguf
 
-DEMO = ROOT / "graphs" / "models" / "demo"
+DEMO = SMALL_PAIR
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fib"
 # Relative logit error (Frobenius) against the float model on PROMPT, measured 0.0075 / 0.020 / 0.026 / 0.034 /
 # 0.048 on the demo target; the bounds leave ~1.5x headroom. Listed from most to fewest bits per weight.

@@ -12,11 +12,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.plugins.dflash.loader import read_config
 
-DEMO = ROOT / "graphs" / "models" / "demo"
+DEMO = SMALL_PAIR
 TARGET, DFLASH = DEMO / "target", DEMO / "dflash"
 PROMPT = "def add(a, b):\n    return"
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, SMALL_PAIR
 
 from draftflow.plugins.dflash.model import DFlashModel
 from draftflow.plugins.target.hf_loader import load_hf
@@ -15,7 +15,7 @@ from draftflow.tools.train.dflash_recipe import DFlashRecipe, new_config
 from draftflow.tools.train.loop import greedy_continuation, init_weights
 from draftflow.tools.train.regenerate import RegeneratedSampler, regenerate
 
-DEMO = ROOT / "graphs" / "models" / "demo" / "target"
+DEMO = SMALL_PAIR / "target"
 WIDTH, PROMPT, SEQ = 4, 12, 40
 
 

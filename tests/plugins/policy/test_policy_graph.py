@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, SMALL_PAIR
 
 from draftflow.core.errors import ModelFormatError
 from draftflow.core.executor import Executor
@@ -14,7 +14,7 @@ from draftflow.core.plan import build_plan
 from draftflow.core.registry import load_registry
 from draftflow.core.spec import load_graph
 
-DEMO_GRAPH = ROOT / "graphs" / "demo.yaml"
+DEMO_GRAPH = SMALL_PAIR / "demo.yaml"
 
 
 def test_the_default_graph_chooses_k_per_cycle_and_stays_exact(tmp_path):
@@ -32,7 +32,7 @@ def test_the_default_graph_chooses_k_per_cycle_and_stays_exact(tmp_path):
 
 
 def test_a_second_policy_is_a_check_problem(tmp_path):
-    graph = DEMO_GRAPH.read_text().replace("models/demo", str(ROOT / "graphs" / "models" / "demo"))
+    graph = DEMO_GRAPH.read_text().replace("path: ./", f"path: {SMALL_PAIR}/")
     (tmp_path / "g.yaml").write_text(graph + "  policy2:\n    plugin: adaptive_k\n")
     r = run_cli(["check", str(tmp_path / "g.yaml")])
     assert r.returncode != 0

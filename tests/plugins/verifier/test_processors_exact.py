@@ -8,7 +8,7 @@ target-only logprobs within 1e-5.
 from __future__ import annotations
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 from tokenizers import Tokenizer
 
 from draftflow.core.executor import Executor
@@ -16,7 +16,7 @@ from draftflow.core.node import SamplingParams
 from draftflow.core.plan import build_plan
 from draftflow.core.spec import GraphSpec
 
-DEMO = ROOT / "graphs" / "models" / "demo"
+DEMO = SMALL_PAIR
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef",
            "class Stack:\n    def __init__(self):\n"]
 TARGET = {"plugin": "target", "params": {"path": str(DEMO / "target"), "kv_mode": "static", "tap_layers": [1, 2, 3]}}

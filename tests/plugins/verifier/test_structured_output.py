@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.core.executor import Executor
 from draftflow.core.node import GrammarSpec, SamplingParams
@@ -18,7 +18,7 @@ from draftflow.layers.grammar import GrammarCompiler
 from draftflow.plugin import RequestError
 from draftflow.testing import target_only
 
-DEMO = ROOT / "graphs" / "models" / "demo"
+DEMO = SMALL_PAIR
 NUM_DOCS = 50
 # Short bounded strings, a bounded integer and enums: the demo target is a tiny code model, so every
 # field must close within a few tokens for the document to end inside max_new_tokens.
@@ -42,9 +42,9 @@ MAX_NEW_TOKENS = 128  # a document is at most ~60 tokens here
 def executors(tmp_path_factory):
     """Executors for DFlash (graphs/demo.yaml at a fixed K = 3), prompt lookup and target-only decoding on the demo target."""
     registry = load_registry()
-    demo, _ = read_graph_dict(ROOT / "graphs" / "demo.yaml")
+    demo, _ = read_graph_dict(SMALL_PAIR / "demo.yaml")
     demo["nodes"].pop("policy", None)  # a fixed K (the acceptance figures of STRUCTURED.md), not one chosen from timings
-    dflash = GraphSpec.from_dict({**demo, "num_draft": 3}, base_dir=ROOT / "graphs")
+    dflash = GraphSpec.from_dict({**demo, "num_draft": 3}, base_dir=SMALL_PAIR)
     lookup_yaml = tmp_path_factory.mktemp("graphs") / "demo-lookup.yaml"
     lookup_yaml.write_text(json.dumps({
         "name": "demo-lookup", "device": "cpu", "dtype": "float32", "num_draft": 4, "nodes": {
