@@ -85,6 +85,7 @@ class Executor:
                                 for b in m.owns if b.preallocate and not b.of_weights}
         # The target is built first: its handle and weight buffers (embedding, LM head) exist for every other node.
         self.handle = None
+        counted: set[int] = set()  # storages already charged to a node (a drafter reading the target's head is not charged)
         for name in sorted(self.order, key=lambda n: self.roles[n] != "target"):
             resolved = self.plan.nodes[name]
             m = resolved.manifest
@@ -106,8 +107,10 @@ class Executor:
                 measured = sum(seen.values()) + torch.cuda.memory_allocated(self.device) - before
             else:
                 for t in self.nodes[name].tensors():
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    if t.untyped_storage().data_ptr() not in counted:
+                        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 measured = sum(seen.values())
+            counted.update(seen)
             self.measured[name] = measured
             declared = next(r for r in self.plan.vram.rows if r.node == name).total
             if measured > declared * MEMORY_TOLERANCE and measured - declared > 1 << 20:

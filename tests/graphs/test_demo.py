@@ -34,8 +34,14 @@ def test_shipped_files_are_small_and_complete():
 
 
 def test_demo_graph_passes_the_greedy_gate_with_acceptance(prompts):
-    """graphs/demo.yaml (DFlash on the demo target) emits the target-only tokens and accepts drafts."""
+    """graphs/demo.yaml (prompt lookup under adaptive_k) emits the target-only tokens and accepts drafts."""
     report = greedy_gate(ROOT / "graphs" / "demo.yaml", prompts=prompts, max_new_tokens=32)
+    assert report.accepted > 0
+
+
+def test_demo_dflash_graph_passes_the_greedy_gate_with_acceptance(prompts):
+    """graphs/demo-dflash.yaml (the shipped block-16 DFlash drafter under adaptive_k) is lossless and accepts drafts."""
+    report = greedy_gate(ROOT / "graphs" / "demo-dflash.yaml", prompts=prompts, max_new_tokens=32)
     assert report.accepted > 0
 
 
@@ -64,3 +70,19 @@ def test_demo_dflash2_with_selector_passes_the_greedy_gate(prompts):
     """graphs/demo-dflash2.yaml (the shipped DFlash2 drafter and its learned selector) is lossless and accepts drafts."""
     report = greedy_gate(ROOT / "graphs" / "demo-dflash2.yaml", prompts=prompts[:2], max_new_tokens=32)
     assert report.accepted > 0
+
+
+def test_demo_mtp_head_is_charged_its_own_bytes_not_the_targets_embedding():
+    """The MTP node reads the target's tied embedding/head (12.6 MB here); the VRAM check charges it to the target once."""
+    from draftflow.core.executor import Executor
+    from draftflow.core.plan import build_plan
+    from draftflow.core.registry import load_registry
+    from draftflow.core.spec import GraphSpec
+
+    spec = GraphSpec.from_dict({"name": "demo-mtp", "num_draft": 3, "nodes": {
+        "target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [8]}},
+        "mtp": {"plugin": "mtp", "params": {"path": str(DEMO / "mtp")}}, "verify": {"plugin": "verifier"}}})
+    ex = Executor(build_plan(spec, load_registry()))
+    declared = {r.node: r.total for r in ex.plan.vram.rows}
+    embed = 8192 * 384 * 4
+    assert ex.measured["mtp"] <= declared["mtp"] and ex.measured["target"] > embed
