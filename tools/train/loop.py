@@ -15,7 +15,9 @@ Writing the finished artifact is the caller's (`cli.py`) business.
 
 The learning rate warms up linearly and then follows a cosine to zero over the run; with a
 time budget, "the run" ends at whichever comes first, `steps` or `time_budget_s`, so a
-CPU run bounded in wall time still finishes its schedule. Checkpoints hold the step, the
+CPU run bounded in wall time still finishes its schedule. The budget counts the held-out
+evaluations and checkpoint writes too (wall time of the loop), so a run with frequent
+evaluations still ends on time. Checkpoints hold the step, the
 elapsed time, the module, the optimizer and every random state, so `resume` continues the
 same run.
 """
@@ -222,19 +224,19 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         torch.nn.utils.clip_grad_norm_(params, opts.clip)
         opt.step()
         step += 1
-        elapsed += time.perf_counter() - t0
         value = float(loss.detach())
         losses.append((step, value))
         if getattr(recipe, "loss_parts", None):
             parts.append((step, {k: float(v) for k, v in recipe.loss_parts.items()}))
         smooth = value if smooth is None else 0.9 * smooth + 0.1 * value
-        rate = (step - start_step) / max(1e-9, elapsed - start_elapsed)
+        rate = (step - start_step) / max(1e-9, elapsed + time.perf_counter() - t0 - start_elapsed)
         left = min((opts.steps - step) / max(rate, 1e-9), (opts.time_budget_s - elapsed) if opts.time_budget_s else math.inf)
         progress.update(step, smooth, opts.lr * factor, rate, max(0.0, left))
         if opts.eval_every and step % opts.eval_every == 0:
             evaluate()
         if opts.save_every and step % opts.save_every == 0:
             save()
+        elapsed += time.perf_counter() - t0  # evaluations and checkpoints count: the budget is wall time
     if not evaluations or evaluations[-1][0] != step:
         evaluate()
     save()
