@@ -114,7 +114,7 @@ def random_pair(tiny: bool, tokenizer=None):
     for name, d in (("target", tcfg_d), ("drafter", dcfg_d)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(d))
-    hf_loader.load_hf = lambda path, device, dtype: hf_loader.LoadedTarget(target, tcfg, tokenizer, (), "random")
+    hf_loader.load_hf = lambda path, device, dtype, tp=None: hf_loader.LoadedTarget(target, tcfg, tokenizer, (), "random")
     dflash_plugin.load_drafter = lambda path, device, dtype: (drafter, dcfg)
     return root, tcfg, dcfg
 

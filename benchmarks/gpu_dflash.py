@@ -49,7 +49,7 @@ def our_loop(target, tcfg, tcfg_d, drafter, dcfg, dcfg_d, prompt, new: int, prof
     for name, d in (("target", tcfg_d), ("drafter", dcfg_d)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(d))
-    hf_loader.load_hf = lambda path, device, dtype: hf_loader.LoadedTarget(target, tcfg, None, (), "random")
+    hf_loader.load_hf = lambda path, device, dtype, tp=None: hf_loader.LoadedTarget(target, tcfg, None, (), "random")
     dflash_plugin.load_drafter = lambda path, device, dtype: (drafter, dcfg)
     graph = {"device": gt.DEV, "dtype": "bfloat16", "max_context": 1024, "num_draft": dcfg.block_size - 1, "nodes": {
         "target": {"plugin": "target", "params": {"path": str(root / "target"),

@@ -162,7 +162,7 @@ def open_session(model, cfg, cfg_dir: Path, cuda_graphs: bool, max_context: int)
     from draftflow.core.session import Session
     from draftflow.plugins.target import hf_loader
 
-    hf_loader.load_hf = lambda path, device, dtype: hf_loader.LoadedTarget(model, cfg, None, (), "random")
+    hf_loader.load_hf = lambda path, device, dtype, tp=None: hf_loader.LoadedTarget(model, cfg, None, (), "random")
     graph = {"device": DEV, "dtype": "bfloat16", "max_context": max_context, "nodes": {
         "target": {"plugin": "target", "params": {"path": str(cfg_dir), "cuda_graphs": cuda_graphs}},
         "verify": {"plugin": "verifier"}}}

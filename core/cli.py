@@ -279,7 +279,7 @@ def cmd_generate(args) -> int:
     if args.compare:
         from draftflow.core.compare import compare
 
-        compared = compare(Session, session.plan, prompt_ids, sampling, result, args.threads)
+        compared = compare(session.plan, prompt_ids, sampling, result, args.threads)
     if args.json:
         out = {"text": result.text, "token_ids": list(result.token_ids), "prompt_token_ids": list(result.prompt_token_ids),
                "finish_reason": result.finish_reason, "stats": result.stats}

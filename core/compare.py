@@ -32,9 +32,11 @@ def target_only_graph(plan) -> dict:
     return graph
 
 
-def compare(session_cls, plan, prompt_ids, sampling, result, threads) -> dict:
+def compare(plan, prompt_ids, sampling, result, threads) -> dict:
     """Run `prompt_ids` on the target-only graph; return its speed, the speedup of `result` and whether they match."""
-    baseline = session_cls.open(graph_dict=target_only_graph(plan), threads=threads)
+    from draftflow.core.session import Session
+
+    baseline = Session.open(graph_dict=target_only_graph(plan), threads=threads)
     try:
         alone = baseline.generate(prompt_ids, sampling)
     finally:

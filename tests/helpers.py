@@ -18,3 +18,16 @@ def run_cli(args, env=None, cwd=None) -> subprocess.CompletedProcess:
     """Run `python -m draftflow ARGS` and return the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "draftflow", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=300)
+
+
+def spread_weights(model, gen) -> None:
+    """Random weights with unit-scale activations, drawn from `gen`: norm gains 1 + 0.2 N(0, 1), every matrix
+    N(0, 1 / fan_in), so greedy argmaxes are not near ties. The generator is left advanced for further draws."""
+    import torch
+
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)

@@ -188,7 +188,7 @@ class Target(Node):
         else:
             from draftflow.plugins.target.hf_loader import load_hf as load
         self.tp = tensor_parallel.group(ctx.tensor_parallel, str(ctx.device))  # SINGLE for one rank
-        loaded = load(p["path"], ctx.device, ctx.dtype, *([self.tp] if self.tp.size > 1 else []))  # TP=1: the old call
+        loaded = load(p["path"], ctx.device, ctx.dtype, self.tp)
         self.model = loaded.model.eval()  # model.config: this rank's shapes; self.config: the checkpoint's
         self.config = loaded.config
         self.vocab_size = loaded.config.vocab_size

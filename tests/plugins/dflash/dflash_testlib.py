@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from helpers import spread_weights
 from dflash.model import DFlashDraftModel
 
 VOCAB = 320
@@ -22,13 +23,7 @@ DRAFT_KW = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidd
 
 def spread(model: torch.nn.Module, seed: int) -> None:
     """Weights with unit-scale activations, so argmaxes are not near ties."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    spread_weights(model, torch.Generator().manual_seed(seed))
 
 
 def build_reference(seed: int = 0, taps=TAPS, **extra) -> DFlashDraftModel:

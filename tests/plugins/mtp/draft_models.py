@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from helpers import spread_weights
 from safetensors.torch import save_file
 
 VOCAB = 320
@@ -39,12 +40,8 @@ def build_target(arch: str = "qwen3", layers: int = 1, seed: int = 0, cycle: int
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
+    spread_weights(model, gen)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
         emb = model.model.embed_tokens.weight
         emb.copy_(emb / emb.pow(2).mean(-1, keepdim=True).sqrt())  # unit RMS: rmsnorm(e) == e
         model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen) / 8)

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import torch
 import transformers
+from helpers import spread_weights
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 QUANTIZABLE = {T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}
@@ -96,11 +97,5 @@ def build_qwen3_256(seed: int = 0) -> transformers.Qwen3ForCausalLM:
                                    eos_token_id=2)
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    spread_weights(model, torch.Generator().manual_seed(seed + 1))
     return model
