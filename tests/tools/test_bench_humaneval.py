@@ -73,3 +73,10 @@ def test_peer_module_imports_neither_dflash_nor_transformers():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dflash', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_unknown_config_name_is_one_line_and_exit_2(capsys):
+    """--configs with a row that does not exist: one `error:` line naming it and the rows there are, before any run."""
+    assert main(["--demo", str(DEMO), "--configs", "DFlash", "nope", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --configs nope: no such row; choose from target only, "), err
