@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -149,8 +150,13 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
         return args + ["--labels", "target", "--lr", "3e-3"]
     # blocks need the target's own chain as labels (docs/TRAINING.md)
     args += ["--labels", "regenerate", "--regen-windows", str(a.regen_windows), "--gguf", str(work / f"{kind}.gguf")]
+    if kind == "dflash" and a.continue_dflash:  # a copy: --init-from may not be the --out it overwrites
+        start = work / "dflash-start"
+        shutil.rmtree(start, ignore_errors=True)
+        shutil.copytree(out / "dflash", start)
+        return args + ["--lr", str(a.dflash_lr), "--init-from", str(start)]
     if kind == "dflash":
-        return args + ["--lr", "3e-3", "--layers", str(DRAFTER_SHAPE["layers"]), "--block-size",
+        return args + ["--lr", str(a.dflash_lr), "--layers", str(DRAFTER_SHAPE["layers"]), "--block-size",
                        str(DRAFTER_SHAPE["block_size"]), "--tap-layers", DRAFTER_SHAPE["tap_layers"]]
     return args + ["--lr", "1e-3", "--init-from", str(out / "dflash"), "--selector-rank", "64", "--selector-top-k", "16",
                    "--conv-kernel-size", "2", "--conv-group-size", "16"]
@@ -194,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--drafter-data-mb", type=float, default=32.0)
     d.add_argument("--batch-size", type=int, default=8, help="drafter batch size (the GPU run used 64)")
     d.add_argument("--regen-windows", type=int, default=32768, help="regenerated windows for the block drafters")
+    d.add_argument("--dflash-lr", type=float, default=3e-3)
+    d.add_argument("--continue-dflash", action="store_true", help="dflash: continue training the drafter already in "
+                   "OUT/dflash under a new schedule (new regenerated windows with another --seed)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     out, work = Path(a.out), Path(a.work)

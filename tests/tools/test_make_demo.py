@@ -23,3 +23,11 @@ def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     assert argv[argv.index("--labels") + 1] == "regenerate" and argv[argv.index("--regen-windows") + 1] == "32"
     assert run["steps"] > 0 and "tau" in run["evaluations"][-1][1]
     assert read_artifact(out / "dflash").config.block_size == 16 and (work / "dflash.gguf").exists()
+    # --continue-dflash: the next run starts from that drafter (a copy in WORK), on windows of another seed
+    assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",
+                      "--regen-windows", "32", "--drafter-data-mb", "1", "--continue-dflash", "--seed", "1",
+                      "--dflash-lr", "1e-3"]) == 0
+    argv = json.loads((work / "summary.json").read_text())["dflash"]["argv"]
+    assert argv[argv.index("--init-from") + 1] == str(work / "dflash-start") and "--layers" not in argv
+    assert argv[argv.index("--lr") + 1] == "0.001" and argv[argv.index("--seed") + 1] == "1"
+    assert read_artifact(out / "dflash").config.target_layer_ids == read_artifact(work / "dflash-start").config.target_layer_ids

@@ -166,3 +166,21 @@ def test_selector_loss_injects_the_gold_token_outside_the_top_m(target):
     worst = blocks.logits.argmin(-1).view_as(blocks.labels)  # never inside a top-2
     loss, recall = recipe.selector_loss(blocks._replace(labels=worst))
     assert float(recall) == 0.0 and torch.isfinite(loss)
+
+
+def test_dflash_init_from_continues_that_drafter(target, tmp_path):
+    """`train dflash --init-from` starts from the given drafter's tensors (a 1e-12 learning rate leaves them as
+    they were) and keeps its shape; a disagreeing shape flag is named."""
+    v1 = _dflash_drafter(target, tmp_path / "v1")
+    out = tmp_path / "continued"
+    _train(target, out, 1, "--init-from", str(v1), "--lr", "1e-12", kind="dflash")
+    from draftflow.plugins.dflash.loader import read_artifact as read_v1
+
+    before, after = read_v1(v1), read_v1(out)
+    assert after.config.target_layer_ids == before.config.target_layer_ids and after.config.block_size == 4
+    assert set(after.tensors) == set(before.tensors)
+    for name, t in before.tensors.items():
+        torch.testing.assert_close(after.tensors[name], t, rtol=0, atol=1e-6, msg=name)
+    with pytest.raises(DraftflowError, match=r"--block-size 8 \(it has 4\)"):
+        train_main(["dflash", "--target", str(target), "--out", str(tmp_path / "x"), "--data", str(ROOT / "core"),
+                    "--steps", "1", "--init-from", str(v1), "--block-size", "8", *SMALL])

@@ -89,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     only(d, BLOCKS, "--mask-token-id", type=int, help=f"default: the tokenizer's {' / '.join(MASK_NAMES[:2])} token")
     only(d, BLOCKS, "--intermediate", type=int, help="draft MLP width (default: the target's)")
     only(d, BLOCKS, "--gguf", help="also write the drafter as a GGUF file (llama.cpp names)")
+    only(d, BLOCKS, "--init-from", help="start from this trained DFlash (v1) drafter (HF directory or .gguf): dflash "
+         "continues training it under a new schedule, dflash2 takes it as its backbone; its shape replaces --layers, "
+         "--block-size, --tap-layers, --mask-token-id, --intermediate")
     s = p.add_argument_group("dflash2")
-    only(s, DFLASH2, "--init-from", help="start the backbone from this trained DFlash (v1) drafter (HF directory or "
-         ".gguf); its shape replaces --layers, --block-size, --tap-layers, --mask-token-id, --intermediate")
+
     only(s, DFLASH2, "--conv-kernel-size", type=int, help="K: taps of the dynamic convolutions (default 2)")
     only(s, DFLASH2, "--conv-group-size", type=int, help="G: channels per dynamic coefficient (divides hidden; "
          "default 16)")
@@ -236,8 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         from draftflow.plugins.dflash.model import DFlashModel
         from draftflow.tools.train.dflash_recipe import DFlashRecipe
 
-        drafter = DFlashModel(_backbone_config(a, loaded), device=a.device)
-        init_weights(drafter, seed=a.seed)
+        if a.init_from:
+            from draftflow.tools.train.dflash2_recipe import init_backbone_config, load_backbone
+
+            base = init_backbone_config(a.init_from, target)
+            _check_shape_flags(a, base)
+            drafter = DFlashModel(base, device=a.device)
+            load_backbone(drafter, a.init_from)
+            drafter.requires_grad_(True)
+        else:
+            drafter = DFlashModel(_backbone_config(a, loaded), device=a.device)
+            init_weights(drafter, seed=a.seed)
         recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, labels, a.seed)
     elif a.recipe == "dflash2":
         from draftflow.plugins.dflash.dflash2_config import DFlash2Config

@@ -64,19 +64,25 @@ def init_backbone_config(path: str, target) -> DFlashConfig:
     return attrs.evolve(cfg, vocab_size=t.vocab_size, num_target_layers=t.num_layers)
 
 
+def load_backbone(drafter: torch.nn.Module, init_from: str) -> None:
+    """Copy the trained DFlash (v1) drafter's tensors at `init_from` into `drafter` (DFlash2: its backbone part)."""
+    tensors = read_artifact(init_from).tensors
+    missing = set(drafter.state_dict()) - set(tensors)
+    missing = {n for n in missing if not n.startswith("candidate_selector.") and "_conv." not in n}
+    if missing:
+        raise DraftflowError(f"--init-from {init_from}: no tensor for {sorted(missing)[:3]}; the backbone "
+                             "must match the drafter's shape")
+    with torch.no_grad():
+        drafter.load_state_dict(tensors, strict=False)
+
+
 def new_drafter(cfg: DFlash2Config, seed: int = 0, init_from: str | None = None, device=None) -> DFlash2Model:
     """A trainable DFlash2 drafter: fresh (or `init_from`'s) backbone, identity convolutions, zero successor codebook."""
     drafter = DFlash2Model(cfg, device=device)
     init_weights(drafter, seed=seed)
     with torch.no_grad():
         if init_from is not None:
-            tensors = read_artifact(init_from).tensors
-            missing = set(drafter.state_dict()) - set(tensors)
-            missing = {n for n in missing if not n.startswith("candidate_selector.") and "_conv." not in n}
-            if missing:
-                raise DraftflowError(f"--init-from {init_from}: no tensor for {sorted(missing)[:3]}; the backbone "
-                                     "must match the drafter's shape")
-            drafter.load_state_dict(tensors, strict=False)
+            load_backbone(drafter, init_from)
         for layer in drafter.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):
                 conv.base_kernel.zero_()
