@@ -9,7 +9,9 @@ through an RMSNorm gated by silu(z) and `out_proj`.
 
 Two ways through a window, both over `LinearState` (see linear_state.py):
 - windows of at most `max_window` tokens (decode, verify) run the token recurrence
-  and record the state after every position, so rollback is a selection;
+  and record the state after every position, so rollback is a selection; on CUDA that is
+  the Triton kernels of gdn_kernels.py (windows of up to 32 tokens: conv, recurrence and
+  gated norm in three launches), elsewhere the token-by-token torch loop, the reference;
 - longer windows (prefill chunks) use the chunked (WY / UT-transform) form, which is
   matmul-bound; on CUDA it is flash-linear-attention's `chunk_gated_delta_rule` when
   `fla` is importable (extra `draftflow[fla]`), else the pure-torch chunk loop below.
@@ -69,6 +71,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype, device)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False, **kw)
         self.use_fla = use_fla
+        # Recorded windows through gdn_kernels: None = on CUDA; True also on the CPU (Triton's interpreter, tests);
+        # False = the token-by-token torch loop everywhere.
+        self.verify_kernel: bool | None = None
 
     def _split(self, x: torch.Tensor):
         # x: [B, T, H] -> mixed [B, T, conv_dim], z [B, T, Hv, Dv], b, a [B, T, Hv]
@@ -84,6 +89,8 @@ class GatedDeltaNet(nn.Module):
         """Run a window (T tokens after `state.length`); write candidate states, never the committed ones."""
         # x: [B, T, H]; returns [B, T, H]
         bsz, t, _ = x.shape
+        if recorded and self._kernel_takes(x, t):
+            return self._kernel_window(x, state, slot)
         mixed, z, b, a = self._split(x)
         tail = state.kernel_tail
         tape = state.conv[slot]  # [B, C, K-1 + max(W, K-1)]
@@ -111,6 +118,27 @@ class GatedDeltaNet(nn.Module):
         else:
             out, rec[1] = chunk_gated_delta(q, k, v, g, beta, rec[0])
         out = self.norm(out.to(x.dtype), z)  # [B, T, Hv, Dv]
+        return self.out_proj(out.reshape(bsz, t, self.value_dim))
+
+    def _kernel_takes(self, x: torch.Tensor, t: int) -> bool:
+        if not (x.is_cuda if self.verify_kernel is None else self.verify_kernel):
+            return False
+        from draftflow.layers import gdn_kernels  # imports Triton: CUDA (or interpreter) only
+
+        return gdn_kernels.supported(self.dk, self.dv, self.kernel, t)
+
+    def _kernel_window(self, x: torch.Tensor, state: LinearState, slot: int) -> torch.Tensor:
+        """The recorded window in three launches (gdn_kernels.py); the same math as the torch path below."""
+        # x: [B, T, H]; returns [B, T, H]
+        from draftflow.layers import gdn_kernels
+
+        bsz, t, _ = x.shape
+        qkvz = self.in_proj_qkvz(x)  # [B, T, Hk * (2Dk + 2r Dv)]
+        journal = state.journal[slot] if state.mode != "select" else None
+        out = gdn_kernels.window(qkvz, self.in_proj_ba(x), state.conv[slot], self.conv1d.weight, self.A_log,
+                                 self.dt_bias, state.rec[slot], journal, self.hk, self.dk, self.dv)  # [B, T, Hv, Dv]
+        z = qkvz.view(bsz, t, self.hk, -1)[..., 2 * self.dk + (self.hv // self.hk) * self.dv:]  # [B, T, Hk, r Dv]
+        out = gdn_kernels.gated_norm(out, z, self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(bsz, t, self.value_dim))
 
     @staticmethod
