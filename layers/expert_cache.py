@@ -23,9 +23,18 @@ rows are reduced over the top-k positions in a fixed order, so the output does n
 depend on residency (a test asserts bit-equal logits at full, half and a tenth). On the
 CPU the slots are a separate CPU buffer, so routing, eviction, copies and counters run
 the same code as on a GPU. See docs/MOE.md for the measurement behind upload-vs-compute.
+
+Every expert resident (the common case when they fit). Nothing is ever uploaded, so the
+host has nothing to decide: on CUDA (`device_path`) a layer routes and computes on the
+device with no host synchronisation (`LayerExperts.compute_resident`: the fused Triton
+kernels of moe_kernels.py for decode and verify windows, one grouped GEMM with device
+offsets for longer ones), which CUDA graphs can capture. Hits are then counted on the
+device (one per distinct expert a layer-window reads) and read when `counters()` is asked.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +88,12 @@ class ExpertCache:
         self.slot_gate_up = torch.empty((self.resident, two_i, h), dtype=host.gate_up.dtype, device=self.device)  # [N, 2I, H]
         self.slot_down = torch.empty((self.resident, h, two_i // 2), dtype=host.down.dtype, device=self.device)  # [N, H, I]
         self.hits = self.misses = self.upload_bytes = 0
+        # Every expert resident on CUDA: route and compute on the device, no host sync (tests may force it on the
+        # CPU through Triton's interpreter). Hits of that path are counted on the device, in `device_hits`.
+        self.all_resident = self.resident == self.total
+        self.device_path = (self.all_resident and self.device.type == "cuda"
+                            and importlib.util.find_spec("triton") is not None)
+        self.device_hits = torch.zeros(1, dtype=torch.int32, device=self.device)  # [1]
         base, extra = divmod(self.resident, n_layers)
         self.layers, start = [], 0
         for row in range(n_layers):
@@ -92,8 +107,13 @@ class ExpertCache:
             block.experts = layer
 
     def counters(self) -> dict[str, int]:
-        """Cumulative hits, misses (= uploads) and bytes uploaded since construction."""
-        return {"expert_hits": self.hits, "expert_misses": self.misses, "expert_upload_bytes": self.upload_bytes}
+        """Cumulative hits, misses (= uploads) and bytes uploaded since construction.
+
+        With `device_path` the hits live on the device: reading them waits for the stream (the
+        executor asks once per cycle, after the cycle's own sync, when the stream is idle).
+        """
+        hits = self.hits + (int(self.device_hits.item()) if self.device_path else 0)
+        return {"expert_hits": hits, "expert_misses": self.misses, "expert_upload_bytes": self.upload_bytes}
 
     def upload(self, row: int, expert: int, slot: int) -> None:
         # Pinned host memory + non_blocking: the copy is queued on the stream before the expert's GEMM.
@@ -106,7 +126,7 @@ class ExpertCache:
 
     def release(self) -> None:
         """Drop the device slots now (layers and cache refer to each other, so refcounting alone would not)."""
-        self.slot_gate_up = self.slot_down = None
+        self.slot_gate_up = self.slot_down = self.device_hits = None
         self.layers = []
 
 
@@ -140,6 +160,28 @@ class LayerExperts:
             batch, pending = self._make_resident(pending)
             self._run(x, flat, k, batch, counts, rows, whole=len(batch) == routed)
         # A fixed-order reduction over k: the result does not depend on which pass computed a row.
+        return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
+
+    def compute_resident(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`compute` with every routed expert resident, on the device only: no host sync, capturable."""
+        # x: [N, H]; ids, weights: [N, k] -> [N, H]
+        slots = slice(self.start, self.start + self.size)
+        gate_up, down = self.cache.slot_gate_up[slots], self.cache.slot_down[slots]  # [S, 2I, H], [S, H, I]
+        from draftflow.layers import moe_kernels
+
+        if x.shape[0] <= moe_kernels.FUSED_MAX_TOKENS or not _use_grouped_mm(x):
+            return moe_kernels.fused_experts(x, ids, weights, gate_up, down, self.slot_key, self.cache.device_hits)
+        # A long window (a prefill chunk, a large batch bucket): one grouped GEMM per projection, with the
+        # group offsets computed on the device (no bincount: on CUDA it reads its maximum back to the host).
+        n, k = ids.shape
+        key = self.slot_key[ids.reshape(-1)]  # [N*k] slot of each (token, k) pair
+        order = torch.argsort(key, stable=True)  # [N*k]
+        counts = torch.zeros(self.size, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+        offs = counts.cumsum(0).to(torch.int32)  # [S]
+        self.cache.device_hits += (counts > 0).sum()
+        gate, up = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [M, I] each
+        rows = x.new_empty(n * k, x.shape[1])  # [N*k, H]
+        rows[order] = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
     def _note(self, counts: list[int], tokens: int) -> None:

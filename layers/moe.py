@@ -182,8 +182,15 @@ class SparseMoeBlock(nn.Module):
         if self.experts is None:
             raise RuntimeError("MoE block has no expert cache attached; call TargetModel.set_expert_cache first")
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        weights, ids = route(self.gate(flat), self.top_k, self.norm_topk_prob, x.dtype)  # [N, k], [N, k]
-        out = self.experts.compute(flat, ids, weights)  # [N, H]
+        logits = self.gate(flat)  # [N, E]
+        if self.experts.cache.device_path:  # every expert resident: routing and experts on the device, no host sync
+            from draftflow.layers.moe_kernels import route_topk
+
+            weights, ids = route_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)  # [N, k], [N, k]
+            out = self.experts.compute_resident(flat, ids, weights)  # [N, H]
+        else:
+            weights, ids = route(logits, self.top_k, self.norm_topk_prob, x.dtype)  # [N, k], [N, k]
+            out = self.experts.compute(flat, ids, weights)  # [N, H]
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)

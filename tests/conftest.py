@@ -11,6 +11,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import toy_plugins  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # The GPU kernels' tests run on CPU tensors through Triton's interpreter. It must be on before anything first
+    # imports triton.language (transformers' model modules do), else Triton's builtins are compiled-mode functions.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from helpers import TESTS  # noqa: E402
 
 

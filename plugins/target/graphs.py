@@ -62,7 +62,11 @@ class GraphRunner:
         if model.config.is_hybrid and (linear is None or linear.max_window < max_window):
             raise ValueError("a hybrid target's GraphRunner needs its LinearState, recording windows of max_window tokens")
         if model.config.moe_layers:
-            raise ValueError("MoE targets run eagerly: expert uploads are host decisions made per window")
+            if model.expert_cache is None and model.host_experts is not None:
+                model.set_expert_cache(None)  # every expert resident: built now, not inside a capture
+            if capture and not (model.expert_cache is not None and model.expert_cache.device_path):
+                raise ValueError("a MoE target runs under CUDA graphs only with every expert resident (routing on the "
+                                 "device, moe_kernels.py); an expert cache's uploads are host decisions: run it eagerly")
         if fused:
             fuse_projections(model)
         kv = cache.buffer  # [L, 2, B, capacity, KVH, D]

@@ -1,0 +1,239 @@
+"""Fused MoE for resident experts: routing on the device and two grouped expert launches, no host sync.
+
+The eager expert cache reads every layer's routing back to the host. When every expert a
+window routes to is resident, nothing needs the host: these kernels take the expert ids
+from a device tensor, so a layer is five launches (router GEMV, `route_topk`, gate/up,
+down, combine) and a decode or verify window can be captured in a CUDA graph.
+
+- `route_topk`: softmax in float32, top-k by repeated argmax, optional renormalisation,
+  cast to the activation dtype (the order of `moe.route`), one program per token.
+- `fused_experts`: (1) gate/up + SiLU gate for every routed (token, expert) pair, (2) down,
+  (3) the routing-weighted sum over the k pairs of each token. Launches (1) and (2) are
+  grouped by expert: a program serves one expert and a block of output columns for *all*
+  tokens of the window routed to it, so an expert hit by several tokens of a verify window
+  is read once. With few pairs (M = T*k <= E) program p leads the expert of pair p when p
+  is that expert's first pair (the others exit at once); otherwise program e serves expert e.
+  No sort and no index building: each program finds its tokens by comparing the window's
+  [T, k] ids with its expert. The weighted sum is a third launch, in a fixed order over k,
+  so results are deterministic (no float atomics) and round where `LayerExperts.compute`
+  rounds (gate/up and down outputs in the storage dtype, then weight * row, then the sum).
+
+The expert weights are the cache's slots ([S, 2I, H] gate rows then up rows, [S, H, I]);
+`slot_of[e]` is expert e's slot (every routed expert must be resident). Imported only on
+CUDA paths, or by tests through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from draftflow.layers.triton_kernels import _round
+
+FUSED_MAX_TOKENS = 64  # token rows one program holds at once; larger windows loop over blocks of this many
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NORM: tl.constexpr):
+    # One program per token: logits [N, E] -> weights [N, K] (w_ptr's dtype), ids [N, K] int64, largest first
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    live = cols < E
+    x = tl.load(logits_ptr + t * E + cols, mask=live, other=float("-inf")).to(tl.float32)
+    p = tl.where(live, tl.exp(x - tl.max(x, 0)), 0.0)
+    probs = tl.where(live, p / tl.sum(p, 0), -1.0)  # padding sorts below every probability
+    ks = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for kk in tl.static_range(K):
+        best = tl.max(probs, 0)
+        idx = tl.argmax(probs, 0)  # ties: the lowest expert id
+        top_w = tl.where(ks == kk, best, top_w)
+        top_i = tl.where(ks == kk, idx, top_i)
+        probs = tl.where(cols == idx, -1.0, probs)
+    if NORM:
+        top_w = top_w / tl.sum(tl.where(ks < K, top_w, 0.0), 0)
+    tl.store(w_ptr + t * K + ks, top_w.to(w_ptr.dtype.element_ty), mask=ks < K)
+    tl.store(ids_ptr + t * K + ks, top_i.to(tl.int64), mask=ks < K)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route` in one launch: (weights [N, k] in dtype, expert ids [N, k] int64)."""
+    # logits: [N, E], contiguous rows
+    n, e = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(n, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(n, top_k, dtype=torch.long, device=logits.device)
+    if n:
+        _route_kernel[(n,)](logits, weights, ids, e, K=top_k, BLOCK_E=triton.next_power_of_2(e),
+                            BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob, num_warps=4 if e >= 256 else 1)
+    return weights, ids
+
+
+@triton.jit
+def _my_rows(ids_ptr, e, p, t0, N, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BY_PAIR: tl.constexpr):
+    # Tokens t0 .. t0+BLOCK_T-1 routed to expert e: (uses [BLOCK_T] bool, their pair index t*K + j [BLOCK_T]).
+    # BY_PAIR (one token block holds the whole window): only the program of e's first pair serves e.
+    toks = t0 + tl.arange(0, BLOCK_T)
+    kp = tl.arange(0, BLOCK_KP)
+    pairs = toks[:, None] * K + kp[None, :]  # [BLOCK_T, BLOCK_KP]
+    routed = tl.load(ids_ptr + pairs, mask=(toks[:, None] < N) & (kp[None, :] < K), other=-1)
+    match = routed == e  # a token routes to an expert at most once
+    uses = tl.sum(match.to(tl.int32), 1) > 0
+    pair = tl.sum(tl.where(match, pairs, 0), 1)
+    if BY_PAIR:
+        first = tl.min(tl.where(uses, pair, N * K), 0)
+        uses = uses & (first + 0 * toks == p)  # a vector compare: the interpreter mistypes bool & 0-d bool
+    return uses, pair, toks
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, slot_ptr, w_ptr, act_ptr, hits_ptr,
+    N, H, I, stride_slot,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    BY_PAIR: tl.constexpr, IS_BF16: tl.constexpr, IS_FP32: tl.constexpr,
+):
+    # x: [N, H]; ids: [N, K]; w: [S, 2I, H] (gate rows, then up rows); act: [N*K, I] = silu(x W_g^T) * (x W_u^T)
+    # per pair; one program per (pair p or expert e, block of I columns)
+    lead = tl.program_id(0)
+    cb = tl.program_id(1)
+    if BY_PAIR:
+        e = tl.load(ids_ptr + lead)
+    else:
+        e = lead.to(tl.int64)
+    slot = tl.load(slot_ptr + e).to(tl.int64)
+    wg = w_ptr + slot * stride_slot
+    cols = cb * BLOCK_I + tl.arange(0, BLOCK_I)
+    col_live = cols < I
+    hs = tl.arange(0, BLOCK_H)
+    served = tl.zeros([BLOCK_T], dtype=tl.int32)  # tokens served, per row of the token block
+    for t0 in range(0, N, BLOCK_T):
+        uses, pair, toks = _my_rows(ids_ptr, e, lead, t0, N, K, BLOCK_T, BLOCK_KP, BY_PAIR)
+        n_used = tl.sum(uses.to(tl.int32), 0)
+        served += uses.to(tl.int32)
+        acc_g = tl.zeros([BLOCK_T, BLOCK_I], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_T, BLOCK_I], dtype=tl.float32)
+        for h0 in range(0, tl.where(n_used > 0, H, 0), BLOCK_H):  # blocks without a routed token read nothing
+            h = h0 + hs
+            h_live = h < H
+            xt = tl.load(x_ptr + toks[:, None].to(tl.int64) * H + h[None, :], mask=uses[:, None] & h_live[None, :],
+                         other=0.0)
+            w_mask = col_live[:, None] & h_live[None, :]
+            g = tl.load(wg + cols[:, None] * H + h[None, :], mask=w_mask, other=0.0)  # [BLOCK_I, BLOCK_H]
+            u = tl.load(wg + (cols[:, None] + I) * H + h[None, :], mask=w_mask, other=0.0)
+            if IS_FP32:
+                acc_g += tl.dot(xt, tl.trans(g), input_precision="ieee")
+                acc_u += tl.dot(xt, tl.trans(u), input_precision="ieee")
+            else:
+                acc_g += tl.dot(xt, tl.trans(g))
+                acc_u += tl.dot(xt, tl.trans(u))
+        gate = _round(acc_g, IS_BF16)  # the gate/up product is stored in the model dtype, as F.linear does
+        up = _round(acc_u, IS_BF16)
+        s = _round(gate / (1.0 + tl.exp(-gate)), IS_BF16)
+        out = act_ptr + pair[:, None].to(tl.int64) * I + cols[None, :]
+        tl.store(out, (s * up).to(act_ptr.dtype.element_ty), mask=uses[:, None] & col_live[None, :])
+    # One count per expert served (column block 0 only): the window's distinct experts, read on the host later.
+    tl.atomic_add(hits_ptr, 1, mask=(tl.sum(served, 0) > 0) & (cb == 0))
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, ids_ptr, slot_ptr, w_ptr, y_ptr,
+    N, H, I, stride_slot,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+    BY_PAIR: tl.constexpr, IS_FP32: tl.constexpr,
+):
+    # act: [N*K, I]; w: [S, H, I]; y: [N*K, H] = act W_d^T per pair; one program per (pair or expert, block of H)
+    lead = tl.program_id(0)
+    cb = tl.program_id(1)
+    if BY_PAIR:
+        e = tl.load(ids_ptr + lead)
+    else:
+        e = lead.to(tl.int64)
+    slot = tl.load(slot_ptr + e).to(tl.int64)
+    wd = w_ptr + slot * stride_slot
+    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = cols < H
+    js = tl.arange(0, BLOCK_I)
+    for t0 in range(0, N, BLOCK_T):
+        uses, pair, toks = _my_rows(ids_ptr, e, lead, t0, N, K, BLOCK_T, BLOCK_KP, BY_PAIR)
+        n_used = tl.sum(uses.to(tl.int32), 0)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        rows = pair[:, None].to(tl.int64)
+        for i0 in range(0, tl.where(n_used > 0, I, 0), BLOCK_I):
+            j = i0 + js
+            j_live = j < I
+            a = tl.load(act_ptr + rows * I + j[None, :], mask=uses[:, None] & j_live[None, :], other=0.0)
+            w = tl.load(wd + cols[:, None] * I + j[None, :], mask=col_live[:, None] & j_live[None, :], other=0.0)
+            if IS_FP32:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        tl.store(y_ptr + rows * H + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=uses[:, None] & col_live[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr, IS_BF16: tl.constexpr):
+    # out[t] = sum_j round(y[t*K + j] * w[t, j]), accumulated in float32 in the order j = 0..K-1
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        weight = tl.load(w_ptr + t * K + j).to(tl.float32)
+        y = tl.load(y_ptr + (t * K + j) * H + cols, mask=live, other=0.0).to(tl.float32)
+        acc += _round(y * weight, IS_BF16)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _blocks(pairs: int, width: int) -> int:
+    # Output columns per program: narrow when few experts are routed, so the weight reads still spread over
+    # every multiprocessor (a memory-bound GEMV wants several programs per SM), wider when many are.
+    if pairs <= 16:
+        return 16
+    return 32 if pairs <= 64 else 64
+
+
+def fused_experts(
+    x: torch.Tensor,  # [N, H]
+    ids: torch.Tensor,  # [N, k] int64 expert ids
+    weights: torch.Tensor,  # [N, k] routing weights
+    gate_up: torch.Tensor,  # [S, 2I, H] expert slots: gate rows, then up rows
+    down: torch.Tensor,  # [S, H, I]
+    slot_of: torch.Tensor,  # [E] int: expert -> slot (every routed expert resident)
+    hits: torch.Tensor,  # [1] int32: incremented once per distinct expert the window reads
+) -> torch.Tensor:  # [N, H]
+    """Sum over k of weight * expert(x) for every token, reading each routed expert once."""
+    n, k = ids.shape
+    h, i = x.shape[1], down.shape[2]
+    num_experts = slot_of.shape[0]
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    pairs = n * k
+    block_t = max(16, min(FUSED_MAX_TOKENS, triton.next_power_of_2(n)))
+    by_pair = n <= block_t and pairs <= num_experts  # one token block: program p leads the expert of pair p
+    leads = pairs if by_pair else num_experts
+    is_bf16, is_fp32 = x.dtype == torch.bfloat16, x.dtype == torch.float32
+    act = torch.empty(pairs, i, dtype=x.dtype, device=x.device)  # [N*k, I]
+    y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [N*k, H]
+    block_i = _blocks(pairs, i)
+    common = dict(K=k, BLOCK_T=block_t, BLOCK_KP=triton.next_power_of_2(k), BY_PAIR=by_pair)
+    _gate_up_kernel[(leads, triton.cdiv(i, block_i))](
+        x, ids, slot_of, gate_up, act, hits, n, h, i, gate_up.stride(0),
+        BLOCK_I=block_i, BLOCK_H=128 if h >= 128 else 64, IS_BF16=is_bf16, IS_FP32=is_fp32, **common, num_warps=4,
+    )
+    block_n = _blocks(pairs, h)
+    _down_kernel[(leads, triton.cdiv(h, block_n))](
+        act, ids, slot_of, down, y, n, h, i, down.stride(0),
+        BLOCK_N=block_n, BLOCK_I=128 if i >= 128 else max(16, triton.next_power_of_2(i)), IS_FP32=is_fp32, **common,
+        num_warps=4,
+    )
+    block = min(1024, triton.next_power_of_2(h))
+    _combine_kernel[(n, triton.cdiv(h, block))](y, weights, out, h, K=k, BLOCK=block, IS_BF16=is_bf16,
+                                                 num_warps=4 if block >= 512 else 1)
+    return out

@@ -1,0 +1,119 @@
+"""The fused MoE kernels (routing on the device, experts grouped by expert) compute what the expert cache's path does.
+
+Run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton loads),
+at tiny shapes, float32 with a tight tolerance; tests/plugins/target/test_moe_cuda.py pins
+the same kernels on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from draftflow.layers import moe_kernels  # noqa: E402
+from draftflow.layers.config import TargetConfig  # noqa: E402
+from draftflow.layers.expert_cache import ExpertCache  # noqa: E402
+from draftflow.layers.moe import HostExperts, SparseMoeBlock, route  # noqa: E402
+
+HIDDEN, WIDTH = 64, 32
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _config(experts: int, top_k: int, norm: bool, shared: int = 0) -> TargetConfig:
+    return TargetConfig.from_hf_dict(dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=64, hidden_size=HIDDEN,
+        intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False,
+        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=WIDTH, norm_topk_prob=norm,
+        shared_expert_intermediate_size=shared), "tiny-moe")
+
+
+def _block(experts: int, top_k: int, norm: bool, seed: int, shared: int = 0) -> tuple[SparseMoeBlock, ExpertCache]:
+    """One MoE block with random float32 weights and every expert resident in an expert cache."""
+    cfg = _config(experts, top_k, norm, shared)
+    gen = torch.Generator().manual_seed(seed)
+    block = SparseMoeBlock(cfg, torch.float32, "cpu")
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    gate_up = torch.randn(1, experts, 2 * WIDTH, HIDDEN, generator=gen) / HIDDEN ** 0.5
+    down = torch.randn(1, experts, HIDDEN, WIDTH, generator=gen) / WIDTH ** 0.5
+    block = block.to(DEVICE)
+    cache = ExpertCache(HostExperts((0,), gate_up, down), None, top_k, DEVICE)
+    cache.attach([block])
+    return block, cache
+
+
+def _both(block: SparseMoeBlock, cache: ExpertCache, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the expert cache's host-synced path, the device path) on the same input."""
+    cache.device_path = False
+    want = block(x)
+    cache.device_path = True
+    return want, block(x)
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 4, 16, 33])
+def test_fused_block_matches_the_expert_cache_path(tokens, top_k):
+    """Decode and verify windows (repeated experts across tokens) give the grouped path's output, float32 1e-5."""
+    block, cache = _block(16, top_k, norm=True, seed=tokens + top_k)
+    x = torch.randn(1, tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens), device="cpu").to(DEVICE)
+    want, got = _both(block, cache, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    ids = route(block.gate(x.reshape(-1, HIDDEN)), top_k, True, torch.float32)[1]
+    # The device counts each distinct expert once per window: the window read every routed expert exactly once.
+    assert int(cache.device_hits) == ids.unique().numel()
+    assert cache.counters()["expert_hits"] == cache.hits + ids.unique().numel()
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_topk_matches_route(norm):
+    """Softmax in float32, top-k largest first, optional renormalisation: the ids and weights of moe.route."""
+    logits = torch.randn(7, 48, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want_w, want_ids = route(logits, 6, norm, torch.float32)
+    got_w, got_ids = moe_kernels.route_topk(logits, 6, norm, torch.float32)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
+    if norm:
+        torch.testing.assert_close(got_w.sum(-1), torch.ones(7, device=DEVICE))
+
+
+def test_unnormalised_weights_and_shared_expert():
+    """norm_topk_prob false (raw top-k probabilities) and a shared expert: still the grouped path's output."""
+    block, cache = _block(8, 2, norm=False, seed=5, shared=48)
+    x = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    want, got = _both(block, cache, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_slots_follow_the_residency_map():
+    """Experts in shuffled slots are read through slot_of[e]; a 70-token window loops over token blocks."""
+    gen = torch.Generator().manual_seed(3)
+    e, k, n = 12, 3, 70
+    gate_up, down = torch.randn(e, 2 * WIDTH, HIDDEN, generator=gen) / 8, torch.randn(e, HIDDEN, WIDTH, generator=gen) / 6
+    x = torch.randn(n, HIDDEN, generator=gen)
+    weights, ids = route(torch.randn(n, e, generator=gen), k, True, torch.float32)
+    gate, up = torch.einsum("nh,nkih->nki", x, gate_up[ids]).chunk(2, dim=-1)  # [N, k, I] each
+    rows = torch.einsum("nki,nkhi->nkh", torch.nn.functional.silu(gate) * up, down[ids])  # [N, k, H]
+    want = (rows * weights[..., None]).sum(dim=1)
+    slot_of = torch.randperm(e, generator=gen)
+    slots_gu, slots_d = torch.empty_like(gate_up), torch.empty_like(down)
+    slots_gu[slot_of], slots_d[slot_of] = gate_up, down
+    hits = torch.zeros(1, dtype=torch.int32)
+    got = moe_kernels.fused_experts(*(t.to(DEVICE) for t in (x, ids, weights, slots_gu, slots_d, slot_of, hits)))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_long_window_uses_device_offsets_and_matches():
+    """Past FUSED_MAX_TOKENS the device path groups rows with offsets computed on the device: same output, hits counted."""
+    block, cache = _block(16, 4, norm=True, seed=9)
+    x = torch.randn(1, moe_kernels.FUSED_MAX_TOKENS + 36, HIDDEN, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    want, got = _both(block, cache, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert int(cache.device_hits) == 16
