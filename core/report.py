@@ -8,6 +8,7 @@ from draftflow.core.budget import fmt_bytes
 from draftflow.core.plan import GraphPlan
 from draftflow.core.plotting import check_image_output, pyplot, save_figure
 from draftflow.layers.gguf_quants import weight_lines
+from draftflow.layers.quant_linear import keeps_quantized
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -47,9 +48,10 @@ def render_plan(plan: GraphPlan) -> str:
             lines.append(f"  request slots: {v.batch} ({v.batch_reason}){fits}")
         if v.experts is not None:
             lines.append("  " + expert_cache_line(plan))
-    for n in plan.by_role("target"):  # a GGUF target: its tensor types per group, dequantized at load
+    for n in plan.by_role("target"):  # a GGUF target: its tensor types per group, dequantized at load or kept
         info = plan.nodes[n].manifest.target  # TargetInfo
-        lines += ["  " + line for line in weight_lines(info.path, getattr(torch, spec.dtype))] if info is not None else []
+        keep = keeps_quantized(spec.device, plan.nodes[n].params.get("quantized", False), spec.tensor_parallel)
+        lines += ["  " + line for line in weight_lines(info.path, getattr(torch, spec.dtype), keep)] if info is not None else []
     return "\n".join(lines)
 
 

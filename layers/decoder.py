@@ -8,13 +8,12 @@ Attention reads and writes an external `KVCache` at absolute positions given by 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftflow.layers.config import TargetConfig
 from draftflow.layers.gdn import GatedDeltaNet
 from draftflow.layers.attention import Window, attend, fold
-from draftflow.layers.fused import PLAIN, Kernels, joined
+from draftflow.layers.fused import PLAIN, Kernels, fused_linear
 from draftflow.layers.moe import SparseMoeBlock
 from draftflow.layers.norm import RMSNorm
 
@@ -64,11 +63,8 @@ class Attention(nn.Module):
             window = Window.at(start_pos, t, x.device, causal=mask is None)
         d, qh, kvh = self.head_dim, self.num_heads, self.num_kv_heads
         q_rows = qh * d * (2 if self.gated else 1)
-        weight = joined([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        has_bias = self.q_proj.bias is not None
-        bias = joined([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if has_bias else None
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        qkv = F.linear(x, weight, bias) if weight is not None and (bias is not None or not has_bias) else None
+        qkv = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj])  # None unless fused (fuse_projections)
         gate = None
         if qkv is not None and kernels.prologue is not None and self.prologue_ok and hasattr(cache, "buffer"):
             kv = cache.buffer
@@ -108,9 +104,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels = PLAIN) -> torch.Tensor:
         # x: [B, T, H] -> [B, T, H]
-        gate_up = joined([self.gate_proj.weight, self.up_proj.weight])  # one product after fuse_projections
+        gate_up = fused_linear(x, [self.gate_proj, self.up_proj])  # one product after fuse_projections
         if gate_up is not None:
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(kernels.silu_mul(gate, up))

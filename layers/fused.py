@@ -12,7 +12,8 @@ them is launch-bound. `Kernels` is the choice a forward runs those pieces with:
   as Triton kernels (no torch.compile, so nothing is traced at warm-up).
 
 Every variant rounds where the plain ops round, so float32 results agree to rounding.
-`fuse_projections` lets q/k/v and gate/up run as one product each without copying weights.
+`fuse_projections` lets q/k/v and gate/up run as one product each without copying weights
+(`fused_linear`; GGUF weights kept quantized too: their block bytes concatenate by rows).
 """
 
 from __future__ import annotations
@@ -153,13 +154,49 @@ def joined(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def _rehome(linears: list[nn.Linear]) -> None:
-    for attr in ("weight", "bias"):
+def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor | None:
+    """x times the linears' stacked weights as one product ([..., sum of outputs]); None when they are not fused.
+
+    nn.Linear: one F.linear when `fuse_projections` put the weights back to back. QuantLinear
+    (GGUF weights kept quantized, quant_linear.py): one kernel when the blocks lie back to back
+    in one type, else one per layer into column slices of one output (Q4_K_M stores attn_v
+    as Q6_K next to Q4_K q/k), so the fused consumers (the Triton prologue) still get one tensor.
+    """
+    first = linears[0]
+    qtypes = {getattr(lin, "qtype", None) for lin in linears}
+    if qtypes == {None}:
+        weight = joined([lin.weight for lin in linears])
+        has_bias = first.bias is not None
+        bias = joined([lin.bias for lin in linears]) if has_bias else None
+        return F.linear(x, weight, bias) if weight is not None and (bias is not None or not has_bias) else None
+    if None in qtypes:
+        return None  # some dequantized at load (a type the kernels do not cover): separate products
+    if len(qtypes) == 1:
+        blocks = joined([lin.blocks for lin in linears])
+        bias = joined([lin.bias for lin in linears]) if first.bias is not None else None
+        if blocks is not None and (bias is not None or first.bias is None):
+            return first.product(x, blocks, bias)
+    widths = [lin.out_features for lin in linears]
+    out = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)  # [..., sum of outputs]
+    rows, col = out.view(-1, sum(widths)), 0
+    for lin, width in zip(linears, widths):
+        lin.product(x, lin.blocks, lin.bias, out=rows[:, col:col + width])
+        col += width
+    return out
+
+
+def _rehome(linears: list[nn.Module]) -> None:
+    qtypes = {getattr(lin, "qtype", None) for lin in linears}
+    if len(qtypes) > 1:
+        return  # mixed types (or some dequantized): fused_linear runs one product per layer
+    quantized = qtypes != {None}
+    for attr in ("blocks" if quantized else "weight", "bias"):
         parts = [getattr(lin, attr) for lin in linears]
         if parts[0] is None or joined(parts) is not None:
             continue
         group = torch.cat([p.detach() for p in parts])
         row = 0
         for lin, p in zip(linears, parts):
-            setattr(lin, attr, nn.Parameter(group[row:row + p.shape[0]], requires_grad=False))
+            part = group[row:row + p.shape[0]]  # QuantLinear.blocks is a buffer, not a parameter
+            setattr(lin, attr, part if attr == "blocks" else nn.Parameter(part, requires_grad=False))
             row += p.shape[0]

@@ -3,10 +3,11 @@
 Every type is turned into the graph's dtype when the file is loaded, on the CPU, block
 for block as `gguf.quants.dequantize` does (it *is* that function, called on row chunks
 in a few threads; float32, then cast). Q8_0 is the exception: its one multiply runs on the
-target device, so only the compact bytes cross the bus (equal to gguf's result too). The
-device therefore holds dequantized weights and the VRAM plan counts them at the graph's
-dtype; GPU kernels that keep weights quantized (issue 20 item 2) are not built yet, and on
-the CPU torch has no quantized GEMM that we use.
+target device, so only the compact bytes cross the bus (equal to gguf's result too). On
+CUDA the attention and dense-MLP projections of the types the Triton kernels cover stay in
+their blocks instead (quant_linear.py, `kept`); everything else is held dequantized and the
+VRAM plan counts each tensor as the device holds it. On the CPU torch has no quantized GEMM
+that we use, so every weight is dequantized.
 
 A GGUF tensor's byte size is implied by its type and dims; llama.cpp requires the data of
 tensor i+1 to start where tensor i's (aligned) bytes end. `check_layout` applies that rule,
@@ -31,6 +32,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from draftflow.core.budget import fmt_bytes
 from draftflow.core.errors import ModelFormatError
+from draftflow.layers.quant_linear import kept
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
@@ -182,8 +184,8 @@ class DequantProgress:
             sys.stderr.write("\n")
 
 
-def dequantized_cost(tensors: Iterable[Any], dtype: torch.dtype, source: str) -> str | None:
-    """The GPU load's warning: quantized types, bytes in the file vs on the device (None for an all-float file)."""
+def dequantized_cost(tensors: Iterable[Any], dtype: torch.dtype, source: str, why: str) -> str | None:
+    """The GPU load's warning: quantized types, bytes in the file vs on the device, `why` (None for no quantized tensor)."""
     quantized = [t for t in tensors if type_name(t.tensor_type) not in FLOAT_TYPES]
     if not quantized:
         return None
@@ -191,8 +193,7 @@ def dequantized_cost(tensors: Iterable[Any], dtype: torch.dtype, source: str) ->
     in_file = sum(int(t.n_bytes) for t in quantized)
     on_device = sum(int(t.n_elements) for t in quantized) * dtype.itemsize
     return (f"{source}: {kinds} weights are dequantized at load: {fmt_bytes(in_file)} in the file take "
-            f"{fmt_bytes(on_device)} of {str(dtype).removeprefix('torch.')} on the GPU; kernels that keep GGUF "
-            "weights quantized on the GPU are not built yet (issue 20 item 2)")
+            f"{fmt_bytes(on_device)} of {str(dtype).removeprefix('torch.')} on the GPU; {why}")
 
 
 def tensor_group(name: str, ne: tuple[int, ...]) -> str:
@@ -216,33 +217,56 @@ def type_counts(items: Iterable[str]) -> str:
     return ", ".join(f"{k} x {n}" for k, n in Counter(items).most_common())
 
 
-def quantization_lines(infos: list[TensorInfo], dtype: torch.dtype, source: str) -> list[str]:
-    """What `draftflow check` prints about a GGUF target's weights: types per group, bytes in the file and on the device."""
+def _file_bytes(i: TensorInfo) -> int:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(i.type_id)]
+    return i.numel // block * size
+
+
+def quantization_lines(infos: list[TensorInfo], dtype: torch.dtype, source: str, keep: bool = False) -> list[str]:
+    """What `draftflow check` prints about a GGUF target's weights: types per group, bytes in the file and on the device.
+
+    `keep`: the target keeps its covered projections quantized (CUDA, quant_linear.keeps_quantized)."""
     infos = [i for i in infos if i.name != "rope_freqs.weight"]  # consumed by the config
-    file_bytes = sum(i.numel // GGML_QUANT_SIZES[GGMLQuantizationType(i.type_id)][0]
-                     * GGML_QUANT_SIZES[GGMLQuantizationType(i.type_id)][1] for i in infos)
-    device_bytes = sum(i.numel for i in infos) * dtype.itemsize
+    file_bytes = sum(map(_file_bytes, infos))
+    stay = [i for i in infos if keep and kept(i.name, type_name(i.type_id))]
+    device_bytes = sum(map(_file_bytes, stay)) + (sum(i.numel for i in infos) - sum(i.numel for i in stay)) * dtype.itemsize
     groups: dict[str, list[str]] = {}
     for i in infos:
         groups.setdefault(tensor_group(i.name, i.ne), []).append(type_name(i.type_id))
     quantized = any(type_name(i.type_id) not in FLOAT_TYPES for i in infos)
     how = "dequantized" if quantized else "converted"
-    lines = [f"weights of {source}: {fmt_bytes(file_bytes)} in the file, {how} to {str(dtype).removeprefix('torch.')} "
-             f"at load: {fmt_bytes(device_bytes)} on the device (what the VRAM plan counts)"]
+    to = f"{how} to {str(dtype).removeprefix('torch.')} at load"
+    if stay:
+        kinds = ", ".join(sorted({type_name(i.type_id) for i in stay}))
+        to = (f"{kinds} projections stay quantized on the GPU ({fmt_bytes(sum(map(_file_bytes, stay)))}), the rest "
+              f"{to}")
+    lines = [f"weights of {source}: {fmt_bytes(file_bytes)} in the file, {to}: {fmt_bytes(device_bytes)} on the device "
+             "(what the VRAM plan counts)"]
     order = ("embeddings", "attention", "mlp", "experts", "router", "norms+biases", "other")
     lines += [f"  {g}: {type_counts(groups[g])}" for g in order if g in groups]
     return lines
 
 
-def weight_lines(path: str, dtype: torch.dtype) -> list[str]:
-    """`quantization_lines` of a GGUF file, for `draftflow check`; [] for anything else (a directory, unreadable bytes)."""
+def header_infos(path: str) -> list[TensorInfo] | None:
+    """The tensor records of a GGUF file's header (memory-mapped, no weight read); None for anything else."""
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
-                return []
+                return None
         reader = GGUFReader(path)
     except Exception:  # noqa: BLE001 - the target's own checks report unreadable files
-        return []
-    infos = [TensorInfo(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset))
-             for t in reader.tensors]
-    return quantization_lines(infos, dtype, os.path.basename(path))
+        return None
+    return [TensorInfo(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset))
+            for t in reader.tensors]
+
+
+def kept_savings(path: str, dtype: torch.dtype) -> int:
+    """Bytes the projections kept quantized on the GPU save against holding them in `dtype` (the VRAM plan's weights)."""
+    infos = header_infos(path) or []
+    return sum(i.numel * dtype.itemsize - _file_bytes(i) for i in infos if kept(i.name, type_name(i.type_id)))
+
+
+def weight_lines(path: str, dtype: torch.dtype, keep: bool = False) -> list[str]:
+    """`quantization_lines` of a GGUF file, for `draftflow check`; [] for anything else (a directory, unreadable bytes)."""
+    infos = header_infos(path)
+    return [] if infos is None else quantization_lines(infos, dtype, os.path.basename(path), keep)

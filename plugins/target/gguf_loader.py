@@ -5,8 +5,10 @@ numpy-ordered views, so only the *reported* shape needs reversing. llama.cpp's c
 permutes llama's attn_q / attn_k rows into its interleaved RoPE layout; we undo that so
 the model keeps the HF half-split layout. Every supported type (layers/gguf_quants.py:
 F32/F16/BF16, Q8_0, Q4_0..Q5_1, Q2_K..Q6_K, IQ4_NL/IQ4_XS, so Q4_K_M-style mixes) is
-dequantized at load to the graph's dtype; the header's types and byte spans are checked
-before any tensor view is built.
+dequantized at load to the graph's dtype, except on CUDA, where the attention and dense-MLP
+projections of the types the Triton kernels read (quant_linear.QTYPES) stay in their blocks
+as `QuantLinear` layers; the header's types and byte spans are checked before any tensor
+view is built.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_
 from draftflow.layers.tensor_parallel import SINGLE, TPGroup, shard_of, take
 from draftflow.layers.gguf_quants import (FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize,
                                           dequantized_cost, type_name)
+from draftflow.layers.quant_linear import LAYOUT, PROJECTION, kept, swap_in
 
 SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
 log = structlog.get_logger("draftflow")
@@ -59,8 +62,13 @@ def read_gguf_config(path: str | os.PathLike[str]) -> TargetConfig:
     return _config(_open(path), str(path))
 
 
-def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype, tp: TPGroup = SINGLE) -> LoadedTarget:
+def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype, tp: TPGroup = SINGLE,
+              quantized: bool | None = None) -> LoadedTarget:
     """Load config, weights (any of gguf_quants.SUPPORTED_TYPES, dequantized to `dtype`) and the embedded tokenizer.
+
+    `quantized` (None: on CUDA): keep the covered projections in their GGUF blocks (`QuantLinear`,
+    Triton kernels; on the CPU only under TRITON_INTERPRET, for tests); False: dequantize every
+    weight at load. One rank only: a tensor-parallel target dequantizes at load.
 
     With a tensor-parallel group `tp` a rank reads and dequantizes only its rows of a column-parallel
     tensor, and only its columns of a row-parallel one when they fall on quantization-block
@@ -90,12 +98,23 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
 
     model = TargetModel(cfg, dtype=dtype, device="meta", tp=tp)
     local = expected_tensors(model.config)  # this rank's shapes (tensor_parallel.py)
-    loaded = {id(t): t for t in (v[0] if type(v) is tuple else v for v in tensors.values())}
+    keep = (torch.device(device).type == "cuda" if quantized is None else quantized) and tp.size == 1
+    stay = {hf: type_name(t.tensor_type) for hf, t in tensors.items()
+            if keep and type(t) is not tuple and kept(names[hf], type_name(t.tensor_type))}  # hf name -> GGUF type
+    every = {id(t): t for t in (v[0] if type(v) is tuple else v for v in tensors.values())}
+    stayed = {id(tensors[hf]) for hf in stay}
+    loaded = {k: t for k, t in every.items() if k not in stayed}  # dequantized here
     progress = DequantProgress(sum(int(t.n_elements) for t in loaded.values() if type_name(t.tensor_type) not in FLOAT_TYPES),
                                f"dequantizing {os.path.basename(source)} to {str(dtype).removeprefix('torch.')}")
     state, last = {}, (None, None)
     for hf, full in expected_tensors(cfg).items():
         if hf not in local:  # o_proj's bias: rank 0 adds it
+            continue
+        if hf in stay:  # the file's bytes, [out_features, row bytes] uint8: rows are whole blocks
+            blocks = torch.from_numpy(np.ascontiguousarray(tensors[hf].data)).to(device)
+            if cfg.arch == "llama" and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
+                blocks = llama_unpermute(blocks, blocks.shape[0] // cfg.head_dim)  # permutes whole rows
+            state[hf.removeprefix("model.").removesuffix("weight") + "blocks"] = blocks
             continue
         pieces = shard_of(hf, full, local[hf], cfg, tp.rank, tp.size)
         view = rank_view(tensors[hf], found[hf], pieces) if pieces and type(tensors[hf]) is not tuple else None
@@ -117,10 +136,12 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
     progress.close()
     if cfg.moe_layers:
         model.host_experts = HostExperts.pop_from_state(state, model.config, pin=torch.device(device).type == "cuda")
+    for hf, qtype in stay.items():
+        swap_in(model, hf.removeprefix("model.").removesuffix(".weight"), qtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     if torch.device(device).type == "cuda":
-        _warn_dequantized(loaded.values(), dtype, source)
+        _warn_dequantized(every.values(), [tensors[hf] for hf in stay], dtype, source, keep, tp.size)
     eos = tuple(
         v for k in ("eos_token_id", "eot_token_id", "eom_token_id")
         if (v := _value(reader, f"tokenizer.ggml.{k}")) is not None
@@ -150,9 +171,21 @@ def _counted(t: Any, progress: DequantProgress) -> DequantProgress | None:
     return None if type_name(t.tensor_type) in FLOAT_TYPES else progress
 
 
-def _warn_dequantized(tensors, dtype: torch.dtype, source: str) -> None:
-    """One line: quantized GGUF weights on a GPU cost their dequantized size until quantized kernels exist."""
-    text = dequantized_cost(tensors, dtype, source)
+def _warn_dequantized(tensors, stay, dtype: torch.dtype, source: str, keep: bool = True, tp_size: int = 1) -> None:
+    """One line when a GPU load dequantizes projections it could keep quantized: what that costs, and why.
+
+    `stay`: the tensors kept quantized. The embedding and LM head are always dequantized (drafters
+    read them as float; docs/GGUF.md), so they are not warned about while the projections stay."""
+    covered = ", ".join(LAYOUT)
+    if keep:
+        stayed = {id(t) for t in stay}
+        tensors = [t for t in tensors if PROJECTION.match(t.name) and id(t) not in stayed]
+        why = f"the GPU kernels keep only {covered} quantized; re-quantize to one of those (e.g. Q4_K_M)"
+    elif tp_size > 1:
+        why = "a tensor-parallel target dequantizes at load (the kernels run on one rank)"
+    else:
+        why = f"the target's `quantized: false` asks for that; true keeps {covered} projections quantized"
+    text = dequantized_cost(tensors, dtype, source, why)
     if text is not None:
         log.warning(text)
 

@@ -47,6 +47,7 @@ from draftflow.layers.config import TargetConfig, weight_bytes
 from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 from draftflow.layers import tensor_parallel
+from draftflow.layers.quant_linear import keeps_quantized
 
 # Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
 # covers prompt + max tokens of typical requests. Measured at Qwen3-8B shapes, bf16, H200 (docs/BENCHMARKS.md):
@@ -68,6 +69,9 @@ PARAMS = (
     ParamSpec("linear_rollback", "str", "select", "hybrid targets: select = keep the recurrent state after every "
               "window position and pick one on commit; replay = journal the window and re-run the accepted steps",
               choices=("select", "replay")),
+    ParamSpec("quantized", "bool", True, "GGUF targets on CUDA: keep the attention and dense-MLP projections of "
+              "types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in their blocks (Triton kernels dequantize inside "
+              "the product; docs/GGUF.md); false: dequantize every weight at load. The CPU always dequantizes"),
     ParamSpec("expert_cache", "int", 0, "MoE targets: routed experts kept resident on the device (0 = autosize from "
               "what vram_budget leaves); pin it so target-only and speculative runs get the same cache (docs/MOE.md)", minimum=0),
 )
@@ -136,6 +140,10 @@ def manifest(params, env) -> Manifest:
     if env.tensor_parallel > 1:  # the gathered slices before they are joined
         scratch += rows * cfg.vocab_size * 4
     weights, pool = weight_bytes(cfg, dtype), None
+    if is_gguf(params["path"]) and keeps_quantized(env.device, params["quantized"], env.tensor_parallel):
+        from draftflow.layers.gguf_quants import kept_savings
+
+        weights -= kept_savings(params["path"], dtype)  # projections held in their GGUF blocks
     if cfg.moe_layers:  # routed experts are an elastic pool, not weights (docs/MOE.md)
         from draftflow.layers.moe import expert_pool_vram
 
@@ -183,12 +191,15 @@ class Target(Node):
     def __init__(self, ctx):
         super().__init__(ctx)
         p = ctx.params
-        if is_gguf(p["path"]):
-            from draftflow.plugins.target.gguf_loader import load_gguf as load
-        else:
-            from draftflow.plugins.target.hf_loader import load_hf as load
         self.tp = tensor_parallel.group(ctx.tensor_parallel, str(ctx.device))  # SINGLE for one rank
-        loaded = load(p["path"], ctx.device, ctx.dtype, self.tp)
+        if is_gguf(p["path"]):
+            from draftflow.plugins.target.gguf_loader import load_gguf
+
+            loaded = load_gguf(p["path"], ctx.device, ctx.dtype, self.tp, quantized=None if p["quantized"] else False)
+        else:
+            from draftflow.plugins.target.hf_loader import load_hf
+
+            loaded = load_hf(p["path"], ctx.device, ctx.dtype, self.tp)
         self.model = loaded.model.eval()  # model.config: this rank's shapes; self.config: the checkpoint's
         self.config = loaded.config
         self.vocab_size = loaded.config.vocab_size

@@ -1,0 +1,267 @@
+"""Triton matrix products that read GGUF-quantized weights in their block layout (issue 20, item 2).
+
+A weight [N, K] is stored as the file stores it: row n is K/BS blocks of BB bytes
+(`quant_linear.LAYOUT`). Each kernel dequantizes one *part* of a block at a time (a run of
+16 or 32 consecutive weights whose quants sit in contiguous bytes at one bit shift, with
+one scale per row) into float32 registers, exactly as gguf-py's numpy dequantizer computes
+it (`d * q`, `(d * sc) * q - dmin * m`, ...), and never writes it to memory:
+
+- `gemv` (decode and verify windows, M <= GEMV_MAX_ROWS rows): one program per BLOCK_N
+  output features walks the whole row, so every weight byte is read once for all M rows.
+  Up to DOT_MIN_ROWS - 1 rows the products are float32 multiply-adds; from DOT_MIN_ROWS
+  rows a tensor-core `tl.dot` per part (bfloat16 weights rounded as a dequantized-at-load
+  bfloat16 model holds them; float32 models multiply in IEEE float32). Accumulation is
+  float32 in both.
+- larger M (prefill): `dequantize` writes the weight in the activation dtype to a scratch
+  tensor (torch's caching allocator reuses it) and torch.matmul (cuBLAS) multiplies. At
+  prefill sizes the product is compute-bound, so the extra write and read of the scratch
+  costs little next to cuBLAS's GEMM.
+
+Part layouts (weight j of a block; bytes relative to the block):
+  Q8_0 (34 B): d f16 @0, int8 q[j] @2+j;                              w = d*q
+  Q4_0 (18 B): d @0, byte @2+(j%16), nibble j//16;                    w = d*(q-8)
+  Q4_1 (20 B): d @0, m @2, nibbles @4;                                w = d*q + m
+  Q5_0 (22 B): d @0, high bit j of the little-endian u32 @2, nibbles @6; w = d*(q-16)
+  Q5_1 (24 B): d @0, m @2, high bits @4, nibbles @8;                  w = d*q + m
+  Q4_K (144 B, 8 sub-blocks s of 32): d @0, dmin @2, 6-bit scales/mins packed in 12 bytes @4,
+       byte @16+32*(s//2)+l, nibble s%2;                               w = (d*sc[s])*q - dmin*mn[s]
+  Q5_K (176 B): as Q4_K, high bit s of byte @16+l, nibbles @48+32*(s//2)+l
+  Q6_K (210 B): low nibbles @0 (byte 64*(s//4)+32*(s%2)+l, nibble (s%4)//2), 2 high bits @128
+       (byte 32*(s//4)+l, shift 2*(s%4)), int8 scale per 16 weights @192, d @208; w = (d*sc)*(q-32)
+
+Imported lazily (on a QuantLinear's first product); on the CPU the kernels run only under
+Triton's interpreter (TRITON_INTERPRET=1, the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from draftflow.layers.quant_linear import LAYOUT, QTYPES
+from draftflow.layers.triton_kernels import _round
+
+GEMV_MAX_ROWS = 64  # rows (tokens of all batch rows) that take the GEMV; more: dequantize + cuBLAS
+DOT_MIN_ROWS = 5  # from this many rows the GEMV multiplies on tensor cores
+GEMV_BLOCK_N = 16  # output features per program (tl.dot needs >= 16)
+GEMV_WARPS = 4
+_CODE = {name: i for i, name in enumerate(QTYPES)}  # the kernels' QTYPE constant
+# Triton's CPU interpreter truncates float32 -> bfloat16 and mis-multiplies bfloat16 it converted itself, so there
+# the kernels round on the bits (as the GPU's round-to-nearest-even does) and multiply the rounded values in float32.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PARTS = {"Q8_0": (32, 1), "Q4_0": (16, 2), "Q4_1": (16, 2), "Q5_0": (16, 2), "Q5_1": (16, 2),
+         "Q4_K": (32, 8), "Q5_K": (32, 8), "Q6_K": (32, 8)}  # (weights per part, parts per block)
+
+
+@triton.jit
+def _byte(ptr):
+    return tl.load(ptr).to(tl.int32)
+
+
+@triton.jit
+def _half(ptr):
+    # A little-endian float16 at byte `ptr` (read byte-wise: the compiler cannot prove 2-byte alignment) -> float32
+    bits = _byte(ptr) | (_byte(ptr + 1) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _int8(ptr):
+    return tl.load(ptr).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(blk, S: tl.constexpr):
+    # Q4_K / Q5_K: sub-block S's 6-bit scale and min from the 12 packed bytes at blk+4 (gguf Q4_K.get_scale_min):
+    # S < 4: low 6 bits of bytes S and S+4; S >= 4: a nibble of byte S+4 and the top 2 bits of bytes S-4 and S.
+    if S < 4:
+        sc = _byte(blk + 4 + S) & 63
+        mn = _byte(blk + 8 + S) & 63
+    else:
+        sc = (_byte(blk + 8 + S) & 15) | ((_byte(blk + S) >> 6) << 4)
+        mn = (_byte(blk + 8 + S) >> 4) | ((_byte(blk + 4 + S) >> 6) << 4)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _part(blk, S: tl.constexpr, lanes, QTYPE: tl.constexpr):
+    # blk: [BN, 1] byte pointers to one block of each row; lanes: arange(P). Returns weights S*P .. S*P+P-1
+    # of the block, [BN, P] float32, rounded as gguf's numpy dequantizer rounds them.
+    l = lanes[None, :]
+    if QTYPE == 0:  # Q8_0
+        w = _half(blk) * _int8(blk + 2 + l)
+    elif QTYPE == 1:  # Q4_0
+        q = (_byte(blk + 2 + l) >> (4 * S)) & 15
+        w = _half(blk) * (q - 8).to(tl.float32)
+    elif QTYPE == 2:  # Q4_1
+        q = (_byte(blk + 4 + l) >> (4 * S)) & 15
+        w = _half(blk) * q.to(tl.float32) + _half(blk + 2)
+    elif QTYPE == 3:  # Q5_0
+        j = S * 16 + l
+        q = ((_byte(blk + 6 + l) >> (4 * S)) & 15) | (((_byte(blk + 2 + (j >> 3)) >> (j & 7)) & 1) << 4)
+        w = _half(blk) * (q - 16).to(tl.float32)
+    elif QTYPE == 4:  # Q5_1
+        j = S * 16 + l
+        q = ((_byte(blk + 8 + l) >> (4 * S)) & 15) | (((_byte(blk + 4 + (j >> 3)) >> (j & 7)) & 1) << 4)
+        w = _half(blk) * q.to(tl.float32) + _half(blk + 2)
+    elif QTYPE == 5:  # Q4_K
+        sc, mn = _k_scale_min(blk, S)
+        q = (_byte(blk + 16 + 32 * (S // 2) + l) >> (4 * (S % 2))) & 15
+        w = (_half(blk) * sc) * q.to(tl.float32) - _half(blk + 2) * mn
+    elif QTYPE == 6:  # Q5_K
+        sc, mn = _k_scale_min(blk, S)
+        q = ((_byte(blk + 48 + 32 * (S // 2) + l) >> (4 * (S % 2))) & 15) | (((_byte(blk + 16 + l) >> S) & 1) << 4)
+        w = (_half(blk) * sc) * q.to(tl.float32) - _half(blk + 2) * mn
+    else:  # Q6_K
+        lo = (_byte(blk + 64 * (S // 4) + 32 * (S % 2) + l) >> (4 * ((S % 4) // 2))) & 15
+        hi = (_byte(blk + 128 + 32 * (S // 4) + l) >> (2 * (S % 4))) & 3
+        sc = tl.where(l < 16, _int8(blk + 192 + 2 * S), _int8(blk + 193 + 2 * S))  # one scale per 16 weights
+        w = (_half(blk + 208) * sc) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, row_bytes, n_blocks, stride_xm, stride_om,
+    QTYPE: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr, P: tl.constexpr, NPART: tl.constexpr,
+    UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+    NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+):
+    # x: [M, K] (unit column stride); w: [N, row_bytes] uint8; out: [M, N] (unit column stride); one program per
+    # BLOCK_N output features over the whole row. Rows past N read row N-1 (no masks on the weight) and are not stored.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.minimum(rows, N - 1)
+    wrow = w_ptr + safe.to(tl.int64)[:, None] * row_bytes  # [BN, 1]
+    ms = tl.arange(0, BLOCK_M)
+    live = ms[:, None] < M
+    xrow = x_ptr + ms[:, None] * stride_xm  # [BM, 1]
+    lanes = tl.arange(0, P)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(0, n_blocks, UNROLL):
+        for u in tl.static_range(UNROLL):
+            blk = wrow + (i + u) * BB
+            for s in tl.static_range(NPART):
+                w = _part(blk, s, lanes, QTYPE)  # [BN, P] float32
+                x = tl.load(xrow + ((i + u) * BS + s * P) + lanes[None, :], mask=live, other=0.0)  # [BM, P]
+                if USE_DOT:
+                    if IEEE:  # float32 activations: IEEE float32 products, as a float32 model's matmul
+                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                    elif NATIVE:  # 16-bit activations: the weight rounded as a dequantized 16-bit model holds it
+                        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                    else:  # (interpreter) the same products in float32
+                        acc += tl.dot(x.to(tl.float32), tl.trans(_round(w, True)), input_precision="ieee")
+                else:
+                    acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + safe).to(tl.float32)[None, :]
+    acc = _round(acc, OUT_BF16)
+    tl.store(out_ptr + ms[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=live & (rows[None, :] < N))
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr, out_ptr, N, K, row_bytes,
+    QTYPE: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr, P: tl.constexpr, NPART: tl.constexpr,
+    UNROLL: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr,
+):
+    # w: [N, row_bytes] uint8 -> out: [N, K]; one program per (BLOCK_N rows, UNROLL blocks)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.minimum(rows, N - 1)
+    wrow = w_ptr + safe.to(tl.int64)[:, None] * row_bytes
+    orow = out_ptr + safe.to(tl.int64)[:, None] * K
+    live = rows[:, None] < N
+    lanes = tl.arange(0, P)
+    for u in tl.static_range(UNROLL):
+        b = tl.program_id(1) * UNROLL + u
+        blk = wrow + b * BB
+        for s in tl.static_range(NPART):
+            w = _round(_part(blk, s, lanes, QTYPE), OUT_BF16)
+            tl.store(orow + (b * BS + s * P) + lanes[None, :], w.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _meta(qtype: str, n_blocks: int) -> dict:
+    block, size = LAYOUT[qtype]
+    p, parts = PARTS[qtype]
+    # 32-weight blocks are small: several per loop iteration (as many as divide the row)
+    unroll = next(u for u in (4, 2, 1) if n_blocks % u == 0) if block == 32 else 1
+    return dict(QTYPE=_CODE[qtype], BS=block, BB=size, P=p, NPART=parts, UNROLL=unroll)
+
+
+def _check(blocks: torch.Tensor, qtype: str, in_features: int) -> int:
+    if qtype not in LAYOUT:
+        raise ValueError(f"no quantized kernel for {qtype}; expected one of {', '.join(QTYPES)}")
+    block, size = LAYOUT[qtype]
+    if in_features % block or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+            or blocks.shape[1] != in_features // block * size or blocks.stride(1) != 1:
+        raise ValueError(f"{qtype} weight bytes {tuple(blocks.shape)} ({blocks.dtype}) do not hold rows of "
+                         f"{in_features} weights ({size} bytes per {block}); expected [N, {in_features // block * size}] uint8")
+    return in_features // block
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], unit column stride
+    blocks: torch.Tensor,  # [N, K/BS*BB] uint8
+    qtype: str,
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [M, N], unit column stride (a column slice of a wider output is fine)
+    block_n: int = GEMV_BLOCK_N,
+    num_warps: int = GEMV_WARPS,
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """x @ W^T reading every weight byte once for all M rows (M <= GEMV_MAX_ROWS)."""
+    m, k = x.shape
+    n_blocks = _check(blocks, qtype, k)
+    n = blocks.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    use_dot = m >= DOT_MIN_ROWS
+    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, blocks, bias if bias is not None else x, out, m, n, blocks.stride(0), n_blocks, x.stride(0), out.stride(0),
+        **_meta(qtype, n_blocks), BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
+        IEEE=x.dtype == torch.float32, NATIVE=not _INTERPRETED, HAS_BIAS=bias is not None,
+        OUT_BF16=out.dtype == torch.bfloat16, num_warps=num_warps,
+    )
+    return out
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype,
+               block_n: int = 32) -> torch.Tensor:  # [N, K]
+    """The weight of `blocks` [N, row bytes] as an [N, in_features] tensor of `dtype` (gguf's values, then cast)."""
+    n_blocks = _check(blocks, qtype, in_features)
+    n = blocks.shape[0]
+    out = torch.empty(n, in_features, dtype=dtype, device=blocks.device)
+    meta = _meta(qtype, n_blocks)
+    _dequant_kernel[(triton.cdiv(n, block_n), n_blocks // meta["UNROLL"])](
+        blocks, out, n, in_features, blocks.stride(0), **meta, BLOCK_N=block_n, OUT_BF16=dtype == torch.bfloat16,
+        num_warps=4,
+    )
+    return out
+
+
+def quant_matmul(
+    x: torch.Tensor,  # [..., K]
+    blocks: torch.Tensor,  # [N, K/BS*BB] uint8
+    qtype: str,
+    in_features: int,
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [rows of x, N] view to write into (unit column stride)
+) -> torch.Tensor:  # [..., N] in x.dtype (`out` itself when given)
+    """x @ W^T (+ bias) for a GGUF-quantized W: the GEMV up to GEMV_MAX_ROWS rows, else dequantize + torch.matmul."""
+    x2 = x.reshape(-1, in_features)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], blocks.shape[0]
+    if m == 0:
+        y = torch.empty(0, n, dtype=x.dtype, device=x.device) if out is None else out
+    elif m <= GEMV_MAX_ROWS:
+        y = gemv(x2, blocks, qtype, bias, out)
+    else:
+        y = F.linear(x2, dequantize(blocks, qtype, in_features, x.dtype), bias)  # [M, N]
+        if out is not None:
+            y = out.copy_(y)
+    return y if out is not None else y.view(*x.shape[:-1], n)
