@@ -67,7 +67,7 @@ def _case(qtype: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 def test_dequantize_equals_gguf(qtype):
     """The in-kernel dequantization of every covered type equals gguf.quants.dequantize bit for bit (float32)."""
     blocks, w, k = _case(qtype, 20)  # 20 rows: a partial block of output features
-    assert torch.equal(qk.dequantize(blocks, qtype, k, torch.float32), w)
+    assert torch.equal(qk.dequantize(blocks, qtype, k, torch.float32, block_n=16), w)
     assert torch.equal(qk.dequantize(blocks, qtype, k, torch.bfloat16), w.to(torch.bfloat16))
 
 
@@ -79,6 +79,8 @@ def test_gemv_rows_and_prefill_path_match_reference(qtype):
     for m in (1, 5, 16, 33, qk.GEMV_MAX_ROWS + 6):
         x = torch.randn(m, k, generator=gen).to(DEV)
         assert_product(qk.quant_matmul(x, blocks, qtype, k), x, w)
+        if m <= qk.GEMV_MAX_ROWS:  # the GPU's tile of 16 features (the interpreter's default tile is wider)
+            assert_product(qk.gemv(x, blocks, qtype, block_n=qk.GEMV_BLOCK_N), x, w)
 
 
 def test_bias_batch_dims_and_bf16():
