@@ -123,16 +123,16 @@ def _prologue_kernel(
         raw = tl.load(qkvz_b + toks * stride_tok + src, mask=live, other=0.0)
         tl.store(tape_b + chan * stride_tape_c + TAIL + toks, raw, mask=live)
         tl.store(v_ptr + (rows * HK * R + hv) * DV + dims, y, mask=live)
-        toks = (tl.program_id(0) % NTB) * BT + tl.arange(0, BT)  # g and beta: one per token
-        rows = b * T + toks
-        live = toks < T
-        beta_in = tl.load(ba_ptr + rows * HK * 2 * R + kh * 2 * R + j, mask=live, other=0.0).to(tl.float32)
-        a_in = tl.load(ba_ptr + rows * HK * 2 * R + kh * 2 * R + R + j, mask=live, other=0.0).to(tl.float32)
+        tok1 = (tl.program_id(0) % NTB) * BT + tl.arange(0, BT)  # g and beta: one per token
+        row1 = b * T + tok1
+        live1 = tok1 < T
+        beta_in = tl.load(ba_ptr + row1 * HK * 2 * R + kh * 2 * R + j, mask=live1, other=0.0).to(tl.float32)
+        a_in = tl.load(ba_ptr + row1 * HK * 2 * R + kh * 2 * R + R + j, mask=live1, other=0.0).to(tl.float32)
         x = a_in + tl.load(dt_bias_ptr + hv).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
         g = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus
-        tl.store(gb_ptr + (rows * HK * R + hv) * 2, g, mask=live)
-        tl.store(gb_ptr + (rows * HK * R + hv) * 2 + 1, 1.0 / (1.0 + tl.exp(-beta_in)), mask=live)
+        tl.store(gb_ptr + (row1 * HK * R + hv) * 2, g, mask=live1)
+        tl.store(gb_ptr + (row1 * HK * R + hv) * 2 + 1, 1.0 / (1.0 + tl.exp(-beta_in)), mask=live1)
 
 
 @triton.jit
@@ -153,7 +153,8 @@ def _recurrence_kernel(
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
     cell = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]  # [DK, BV] within a (slot, row)
-    s = tl.load(rec_ptr + b * stride_rec_b + cell)
+    slot_ptr = rec_ptr + b * stride_rec_b + cell  # [DK, BV] pointers into slot 0
+    s = tl.load(slot_ptr)
     # Token t's inputs are loaded one iteration ahead, so their latency overlaps token t-1's update.
     row = b * T
     q = tl.load(qk_ptr + ((row * HK + kh) * 2) * DK + dk)
@@ -175,8 +176,9 @@ def _recurrence_kernel(
         s = s + k[:, None] * delta[None, :]
         out = tl.sum(s * q[:, None], 0)
         tl.store(out_ptr + ((b * T + t) * HV + hv) * DV + dv, out)
-        if SELECT:
-            tl.store(rec_ptr + (t + 1) * stride_slot + b * stride_rec_b + cell, s)
+        if SELECT:  # a pointer stepped per slot: (t + 1) * stride_slot may pass 2^31 at large batches
+            slot_ptr += stride_slot
+            tl.store(slot_ptr, s)
         else:  # replay mode journals the inputs [k | v | g | beta]; block 0 writes the per-head parts
             entry = journal_ptr + t * stride_jt + b * stride_jb + hv * (DK + DV + 2)
             tl.store(entry + DK + dv, v)
@@ -211,6 +213,12 @@ def window(
     if tape.stride(-1) != 1 or rec[0, 0].stride() != (k_dim * v_dim, v_dim, 1) or not pow2(block_v):
         raise ValueError("gdn_kernels.window needs unit-stride tape columns, contiguous state slots and a "
                          "power-of-two block_v")
+    tail = conv_weight.shape[-1] - 1
+    slots = t + 1 if journal is None else 1
+    if (rec.shape[0] < slots or rec.shape[1] != bsz or tape.shape[0] != bsz or tape.shape[-1] < tail + t
+            or (journal is not None and (journal.shape[0] < t or journal.shape[1] != bsz))):
+        raise ValueError(f"gdn_kernels.window: a window of {bsz} x {t} tokens does not fit the state buffers "
+                         f"(tape {tuple(tape.shape)}, states {tuple(rec.shape)}); allocate the LinearState for it")
     conv_weight = conv_weight.contiguous()
     dev = qkvz.device
     qk = torch.empty(bsz * t, num_k_heads, 2, k_dim, dtype=torch.float32, device=dev)
@@ -221,8 +229,8 @@ def window(
     _prologue_kernel[(bsz * ntb, num_k_heads + hv)](
         qkvz, ba, tape, conv_weight, a_log, dt_bias, qk, v, gb,
         t, ntb, tape.stride(0), tape.stride(1), k_dim ** -0.5,
-        HK=num_k_heads, R=r, DK=k_dim, DV=v_dim, TAIL=conv_weight.shape[-1] - 1, BT=bt,
-        IS_BF16=qkvz.dtype == torch.bfloat16, num_warps=2,
+        HK=num_k_heads, R=r, DK=k_dim, DV=v_dim, TAIL=tail, BT=bt,
+        IS_BF16=qkvz.dtype == torch.bfloat16, num_warps=4,
     )
     out = torch.empty(bsz, t, hv, v_dim, dtype=torch.float32, device=dev)
     bv = min(block_v, v_dim)
