@@ -189,7 +189,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constex
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def _blocks(pairs: int, width: int) -> int:
+def _blocks(pairs: int) -> int:
     # Output columns per program: narrow when few experts are routed, so the weight reads still spread over
     # every multiprocessor (a memory-bound GEMV wants several programs per SM), wider when many are.
     if pairs <= 16:
@@ -205,6 +205,7 @@ def fused_experts(
     down: torch.Tensor,  # [S, H, I]
     slot_of: torch.Tensor,  # [E] int: expert -> slot (every routed expert resident)
     hits: torch.Tensor,  # [1] int32: incremented once per distinct expert the window reads
+    columns: tuple[int, int] | None = None,  # output columns per program (gate/up, down); None: by the pair count
 ) -> torch.Tensor:  # [N, H]
     """Sum over k of weight * expert(x) for every token, reading each routed expert once."""
     n, k = ids.shape
@@ -221,13 +222,12 @@ def fused_experts(
     is_bf16, is_fp32 = x.dtype == torch.bfloat16, x.dtype == torch.float32
     act = torch.empty(pairs, i, dtype=x.dtype, device=x.device)  # [N*k, I]
     y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [N*k, H]
-    block_i = _blocks(pairs, i)
+    block_i, block_n = columns or (_blocks(pairs), _blocks(pairs))
     common = dict(K=k, BLOCK_T=block_t, BLOCK_KP=triton.next_power_of_2(k), BY_PAIR=by_pair)
     _gate_up_kernel[(leads, triton.cdiv(i, block_i))](
         x, ids, slot_of, gate_up, act, hits, n, h, i, gate_up.stride(0),
         BLOCK_I=block_i, BLOCK_H=128 if h >= 128 else 64, IS_BF16=is_bf16, IS_FP32=is_fp32, **common, num_warps=4,
     )
-    block_n = _blocks(pairs, h)
     _down_kernel[(leads, triton.cdiv(h, block_n))](
         act, ids, slot_of, down, y, n, h, i, down.stride(0),
         BLOCK_N=block_n, BLOCK_I=128 if i >= 128 else max(16, triton.next_power_of_2(i)), IS_FP32=is_fp32, **common,

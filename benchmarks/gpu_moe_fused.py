@@ -1,0 +1,215 @@
+"""MoE with every expert resident at the Qwen3-30B-A3B shape (random bf16 weights): the device path under CUDA graphs.
+
+    python benchmarks/gpu_moe_fused.py --out DIR          # H200: ~62 GB of weights drawn on the GPU; < 3 min
+    python benchmarks/gpu_moe_fused.py --tiny --out DIR   # a CPU dry run at toy shapes (Triton's interpreter)
+
+Measured in one run: the device copy bandwidth and the weight-read floor it implies (every
+non-expert weight but the embedding, plus top-k experts per MoE layer for a 1-token step, or
+the distinct experts a window routes to for a verify window; benchmarks/gpu_target.py's
+copy_bandwidth); the 1-token step and the 16-token verify window replayed as CUDA graphs
+(GraphRunner); the same windows eagerly on the device path and on the host-routed expert
+cache path (the pre-#19 baseline: one host sync per MoE layer), with host synchronisations
+counted by torch's sync debug mode; the distinct experts each window reads (device counter);
+and one MoE layer's route + fused experts alone against its own bytes. A random router routes
+close to uniformly, so a 16-token window reads about 128 * (1 - (1 - 8/128)^16) = 82 of 128
+experts per layer; real checkpoints route with skew and read fewer. Table on stdout, JSON in
+DIR/gpu_moe_fused.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads: the kernels run on CPU tensors
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_target as gt  # noqa: E402  (copy bandwidth, CUDA-event timer)
+from gpu_moe import QWEN3_30B_A3B, TINY  # noqa: E402
+
+DTYPE = torch.bfloat16
+START = 128  # prompt tokens prefilled before the timed windows (past FUSED_MAX_TOKENS: the grouped-GEMM path)
+
+
+def build(cfg, device: str, seed: int):
+    """TargetModel with N(0, 0.02) weights and every expert resident in device slots filled in place (no host copy)."""
+    from draftflow.layers.moe import HostExperts
+    from draftflow.plugins.target.model import TargetModel
+
+    model = TargetModel(cfg, dtype=DTYPE, device=device).eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
+        n, e, i, h = len(cfg.moe_layers), cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        # The "host" stacks are broadcast views of one expert on the device: the cache's construction copies them
+        # into its slots, which are then redrawn in place, so the 58 GB of experts exist once, on the device.
+        one_gu, one_d = torch.empty(2 * i, h, dtype=DTYPE, device=device), torch.empty(h, i, dtype=DTYPE, device=device)
+        model.host_experts = HostExperts(tuple(cfg.moe_layers), one_gu.expand(n, e, 2 * i, h), one_d.expand(n, e, h, i))
+        cache = model.set_expert_cache(None)
+        cache.slot_gate_up.normal_(0.0, 0.02, generator=gen)
+        cache.slot_down.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def host_syncs(fn) -> int:
+    """Host synchronisations `fn` makes, by torch's CUDA sync debug mode (0 on the CPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def distinct_experts(model, run, layers: int) -> float:
+    """Distinct experts per MoE layer that one `run()` reads (the device path counts one per expert per layer-window)."""
+    cache = model.expert_cache
+    gt.sync()
+    before = int(cache.device_hits.item())
+    run()
+    gt.sync()
+    return (int(cache.device_hits.item()) - before) / layers
+
+
+COLUMNS = ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64), (64, 128))  # (gate/up, down) columns per program
+
+
+def layer_alone(model, cfg, tokens: int, bw: float, reps: int) -> dict:
+    """One MoE layer on `tokens` random rows: the whole block (router GEMV, route_topk, fused experts) and the
+    expert launches alone for each block width of COLUMNS, against the bytes they read."""
+    from draftflow.layers.moe import SparseMoeBlock
+    from draftflow.layers.moe_kernels import fused_experts, route_topk
+
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    layer, cache = block.experts, model.expert_cache
+    x = torch.randn(1, tokens, cfg.hidden_size, dtype=DTYPE, device=gt.DEV)
+    rounds = 1 if gt.DEV == "cpu" else 5
+    with torch.inference_mode():
+        block(x)
+        experts = distinct_experts(model, lambda: block(x), 1)
+        ms = gt.cuda_ms(lambda: block(x), reps=reps, rounds=rounds)
+        flat = x.reshape(tokens, -1)
+        weights, ids = route_topk(block.gate(flat), block.top_k, block.norm_topk_prob, DTYPE)
+        slots = slice(layer.start, layer.start + layer.size)
+        args = (flat, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], layer.slot_key, cache.device_hits)
+        sweep = {}
+        for columns in (None,) + (() if gt.DEV == "cpu" else COLUMNS):
+            fused_experts(*args, columns=columns)
+            sweep[str(columns or "default")] = gt.cuda_ms(lambda c=columns: fused_experts(*args, columns=c), reps=reps,
+                                                          rounds=rounds)
+    read = experts * cache.bytes_per_expert
+    best = min(sweep, key=sweep.get)
+    gbps = {name: read / (t * 1e-3) / 1e12 for name, t in sweep.items()}
+    return {"tokens": tokens, "block_ms": ms, "distinct_experts": experts, "expert_read_GB": read / 1e9,
+            "experts_ms": sweep, "experts_TBps": gbps, "best_columns": best,
+            "best_of_copy_bw": gbps[best] / bw, "default_of_copy_bw": gbps["default"] / bw}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU through Triton's interpreter (a dry run)")
+    p.add_argument("--verify", type=int, default=16, help="tokens of the verify window")
+    p.add_argument("--windows", type=int, default=8, help="random verify windows averaged for the distinct-expert count")
+    p.add_argument("--out", required=True, help="folder for gpu_moe_fused.json")
+    a = p.parse_args()
+    from draftflow.layers.config import TargetConfig, weight_bytes
+    from draftflow.layers.kv_cache import KVCache, static_shape
+    from draftflow.layers.moe import bytes_per_expert, total_experts
+    from draftflow.plugins.target.graphs import GraphRunner
+
+    gt.DEV = dev = "cpu" if a.tiny else "cuda"
+    began = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = TargetConfig.from_hf_dict({**TINY, "num_hidden_layers": 2} if a.tiny else QWEN3_30B_A3B, "qwen3-30b-a3b-shape")
+    reps, rounds = (1, 1) if a.tiny else (20, 5)  # the interpreter runs a window in seconds
+    n_windows = min(a.windows, 2) if a.tiny else a.windows
+    layers, k, per = len(cfg.moe_layers), cfg.num_experts_per_tok, bytes_per_expert(cfg, DTYPE)
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter dry run)",
+           "torch": torch.__version__, "moe_layers": layers, "experts": cfg.num_experts, "top_k": k,
+           "bytes_per_expert": per}
+    bw = gt.copy_bandwidth()  # TB/s, read + written
+    dense = weight_bytes(cfg, DTYPE) - per * total_experts(cfg) - cfg.vocab_size * cfg.hidden_size * DTYPE.itemsize
+    step_bytes = dense + layers * k * per  # the active weights of one token
+    res["floor"] = {"copy_TBps": bw, "active_bytes": step_bytes, "floor_ms": step_bytes / (bw * 1e12) * 1e3,
+                    "floor_tok_s": bw * 1e12 / step_bytes}
+    model = build(cfg, dev, seed=0)
+    cache = model.expert_cache
+    if dev == "cpu":
+        cache.device_path = True  # the CPU dry run takes the device path through the interpreter
+    res["build_s"] = time.monotonic() - began
+    w = a.verify
+    kv = KVCache.from_static(torch.zeros(static_shape(cfg, 1, START + 2 * w + 64), dtype=DTYPE, device=dev))
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        model(torch.randint(0, cfg.vocab_size, (1, START), generator=gen).to(dev), 0, kv)  # prefill: the long path
+        kv.commit(START)
+        runner = GraphRunner(model, kv, max_window=w, capture=dev == "cuda")
+        drafts = [torch.randint(0, cfg.vocab_size, (1, w - 1), generator=gen).to(dev) for _ in range(n_windows)]
+        steps = {}
+        for width, d in ((1, None), (w, drafts[0])):
+            runner(7, d, START)  # capture (first use)
+            steps[width] = gt.cuda_ms(lambda d=d: runner(7, d, START), reps=reps, rounds=rounds)
+        one, win = steps[1], steps[w]
+        step_experts = distinct_experts(model, lambda: runner(7, None, START), layers)
+        window_experts = sum(distinct_experts(model, lambda d=d: runner(7, d, START), layers) for d in drafts) / len(drafts)
+        window_bytes = dense + layers * window_experts * per
+        res["graph"] = {"step_ms": one, "step_tok_s": 1e3 / one, "step_of_floor": res["floor"]["floor_ms"] / one,
+                        "step_distinct_experts": step_experts, f"window{w}_ms": win, "window_over_step": win / one,
+                        "window_distinct_experts": window_experts, "window_floor_ms": window_bytes / (bw * 1e12) * 1e3,
+                        "window_of_its_floor": window_bytes / (bw * 1e12) * 1e3 / win}
+        # Eager windows: the device path (no host sync) and the host-routed expert cache (one sync per MoE layer).
+        eager = {}
+        for device_path in (True, False):
+            cache.device_path = device_path or dev == "cpu"
+            name = "device" if device_path else "host_routed"
+            for width, d in ((1, None), (w, drafts[0])):
+                window = torch.cat([torch.full((1, 1), 7, device=dev)] + ([d] if d is not None else []), dim=1)
+                fn = lambda window=window: model(window, START, kv)  # noqa: E731
+                fn()
+                eager[f"{name}_w{width}_ms"] = gt.cuda_ms(fn, reps=max(1, reps // 4), rounds=min(rounds, 3))
+                eager[f"{name}_w{width}_host_syncs"] = host_syncs(fn)
+        cache.device_path = True
+        res["eager"] = eager
+        res["layer_alone"] = [layer_alone(model, cfg, t, bw, reps) for t in (1, w)]
+    res["elapsed_s"] = time.monotonic() - began
+    (out / "gpu_moe_fused.json").write_text(json.dumps(res, indent=1))
+    f, g = res["floor"], res["graph"]
+    print(f"MoE, every expert resident: {res['device']}, torch {res['torch']}; {layers} MoE layers x {cfg.num_experts} "
+          f"experts of {per / 2**20:.2f} MiB, top-{k}; copy {bw:.2f} TB/s")
+    print(f"{'':34}{'ms':>9}{'tok/s':>9}{'floor ms':>10}{'of floor':>9}{'experts/layer':>14}{'host syncs':>11}")
+    print(f"{'1-token step, CUDA graph':34}{one:>9.3f}{1e3 / one:>9.1f}{f['floor_ms']:>10.3f}{g['step_of_floor']:>9.1%}"
+          f"{step_experts:>14.1f}{0:>11}")
+    print(f"{f'{w}-token window, CUDA graph':34}{win:>9.3f}{w * 1e3 / win:>9.1f}{g['window_floor_ms']:>10.3f}"
+          f"{g['window_of_its_floor']:>9.1%}{window_experts:>14.1f}{0:>11}")
+    for name in ("device", "host_routed"):
+        for width in (1, w):
+            ms = eager[f"{name}_w{width}_ms"]
+            print(f"{f'{width}-token, eager, {name}':34}{ms:>9.3f}{width * 1e3 / ms:>9.1f}{'':>10}{'':>9}{'':>14}"
+                  f"{eager[f'{name}_w{width}_host_syncs']:>11}")
+    print(f"{w}-token window / 1-token step (graphs): {g['window_over_step']:.2f}x")
+    for row in res["layer_alone"]:
+        sweep = ", ".join(f"{name} {t * 1e3:.0f}" for name, t in row["experts_ms"].items())
+        print(f"one MoE layer, {row['tokens']:>2} tokens, {row['distinct_experts']:.0f} experts: block "
+              f"{row['block_ms'] * 1e3:.1f} us; expert launches by (gate/up, down) columns per program, us: {sweep}; "
+              f"default {row['default_of_copy_bw']:.0%} of copy bandwidth, best {row['best_columns']} "
+              f"{row['best_of_copy_bw']:.0%}")
+    print(f"elapsed {res['elapsed_s']:.0f} s; JSON: {out / 'gpu_moe_fused.json'}")
+
+
+if __name__ == "__main__":
+    main()
