@@ -137,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         journal = state.journal[slot] if state.mode != "select" else None
         out = gdn_kernels.window(qkvz, self.in_proj_ba(x), state.conv[slot], self.conv1d.weight, self.A_log,
                                  self.dt_bias, state.rec[slot], journal, self.hk, self.dk, self.dv)  # [B, T, Hv, Dv]
-        z = qkvz.view(bsz, t, self.hk, -1)[..., 2 * self.dk + (self.hv // self.hk) * self.dv:]  # [B, T, Hk, r Dv]
+        z = qkvz.reshape(bsz, t, self.hk, -1)[..., 2 * self.dk + (self.hv // self.hk) * self.dv:]  # [B, T, Hk, r Dv]
         out = gdn_kernels.gated_norm(out, z, self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(bsz, t, self.value_dim))
 

@@ -41,7 +41,7 @@ from draftflow.layers.triton_kernels import _round
 
 MAX_TOKENS = 32  # windows longer than this are prefill chunks: the chunked path
 BLOCK_V = 16  # value columns per recurrence program: 8 programs per 128-wide head
-RECURRENCE_WARPS = 2
+RECURRENCE_WARPS = 4  # 16 state elements per thread: more warps in flight to cover the per-token store stream
 PROLOGUE_TOKENS = 8  # window tokens per prologue program
 
 
