@@ -3,7 +3,7 @@
 Rollback by selection (linear_state.py) needs the state after *every* window position, so a
 window of T tokens must write T states of Dk x Dv float32 per value head (64 KiB at 128 x 128;
 a Qwen3.6-27B-class layer with 48 value heads writes 3 MiB per position, 48 MiB for T = 16).
-Those writes are the bytes that dominate the window, and they fix the design:
+After the weights, those writes are the window's dominant traffic, and they fix the design:
 
 - The recurrence runs **sequentially over the T <= 32 tokens in one program per (row,
   value head, block of BV value columns)**, the [Dk, BV] state slice in registers, float32.
@@ -16,12 +16,12 @@ Those writes are the bytes that dominate the window, and they fix the design:
   torch reference's arithmetic (`linear_state.delta_step`) op for op, so it is exact to
   float32 summation order.
 - The **prologue** (depthwise causal conv + SiLU, q/k L2 norms and scale, beta and the
-  decay g) is a separate launch, parallel over tokens and heads: inside the sequential loop
+  decay g) is a separate launch, one program per (row, block of 8 tokens, head): inside the sequential loop
   it would be recomputed by every value-column block of every value head sharing a key head
   and would lengthen the per-token critical path. It also writes the window's conv inputs
   into the tape right after the committed K-1, so the conv state after position t is the
   tape slice [t+1, t+K) and rollback stays a selection (`LinearState.commit` copies it).
-- The gated RMSNorm of the output is a third launch (one program per token and head),
+- The gated RMSNorm of the output is a third launch (one program per 8 tokens and head),
   replacing about eight small torch ops.
 
 Three launches per layer, none reading a host value: shapes depend only on (B, T), so the
@@ -39,7 +39,7 @@ import triton.language as tl
 
 from draftflow.layers.triton_kernels import _round
 
-MAX_TOKENS = 32  # windows longer than this are prefill chunks: the chunked path
+MAX_TOKENS = 32  # longer recorded windows (num_draft > 31) take the torch loop
 BLOCK_V = 16  # value columns per recurrence program: 8 programs per 128-wide head
 RECURRENCE_WARPS = 4  # 16 state elements per thread: more warps in flight to cover the per-token store stream
 PROLOGUE_TOKENS = 8  # window tokens per prologue program
