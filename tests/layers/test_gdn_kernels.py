@@ -118,6 +118,26 @@ def test_kernel_states_commit_by_selection(cfg, monkeypatch):
     _close(outs[1], outs[0], 1e-4, "window after the commit")
 
 
+def test_kernel_on_a_rows_view_writes_only_its_rows(cfg):
+    """A batched step on slots 1..2 of a 3-slot state (a `rows` view): the view's rows equal the torch loop's, slot 0
+    keeps every buffer as it was."""
+    layer = _layer(cfg, torch.float32, "cpu")
+    ref, got = _states(cfg, 3, "select", torch.float32, "cpu")
+    before = (got.conv.clone(), got.rec.clone())
+    x = torch.randn(2, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for use_kernel, state in ((False, ref), (True, got)):
+        layer.verify_kernel = use_kernel
+        view = state.rows(1, 3)
+        view.begin(5, 3)
+        with torch.inference_mode():
+            outs.append(layer(x, view, 0, True))
+    _close(outs[1], outs[0], 1e-4, "layer output")
+    _close(got.rec[:, :4, 1:], ref.rec[:, :4, 1:], 1e-4, "the view's states")
+    assert torch.equal(got.conv[:, 1:], ref.conv[:, 1:])
+    assert torch.equal(got.conv[:, 0], before[0][:, 0]) and torch.equal(got.rec[:, :, 0], before[1][:, :, 0])
+
+
 def test_kernel_journals_replay_inputs(cfg):
     """Replay mode: the kernel journals k, v, log-decay and beta per token as the torch loop does; no state slots."""
     _, (want, ref), (got, state) = _run_both(cfg, 3, 7, mode="replay")
