@@ -79,10 +79,10 @@ def distinct_experts(model, run, layers: int) -> float:
     """Distinct experts per MoE layer that one `run()` reads (the device path counts one per expert per layer-window)."""
     cache = model.expert_cache
     gt.sync()
-    before = int(cache.device_hits.item())
+    before = int(cache.tally[:, -2:].sum())  # hits + misses: one per expert a layer-window reads
     run()
     gt.sync()
-    return (int(cache.device_hits.item()) - before) / layers
+    return (int(cache.tally[:, -2:].sum()) - before) / layers
 
 
 COLUMNS = ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64), (64, 128))  # (gate/up, down) columns per program
@@ -105,7 +105,7 @@ def layer_alone(model, cfg, tokens: int, bw: float, reps: int) -> dict:
         flat = x.reshape(tokens, -1)
         weights, ids = route_topk(block.gate(flat), block.top_k, block.norm_topk_prob, DTYPE)
         slots = slice(layer.start, layer.start + layer.size)
-        args = (flat, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], layer.slot_key, cache.device_hits)
+        args = (flat, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], layer.slot_key, cache.tally[layer.row])
         sweep = {}
         for columns in (None,) + (() if gt.DEV == "cpu" else COLUMNS):
             fused_experts(*args, columns=columns)

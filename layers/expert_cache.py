@@ -24,12 +24,20 @@ depend on residency (a test asserts bit-equal logits at full, half and a tenth).
 CPU the slots are a separate CPU buffer, so routing, eviction, copies and counters run
 the same code as on a GPU. See docs/MOE.md for the measurement behind upload-vs-compute.
 
-Every expert resident (the common case when they fit). Nothing is ever uploaded, so the
-host has nothing to decide: on CUDA (`device_path`) a layer routes and computes on the
-device with no host synchronisation (`LayerExperts.compute_resident`: the fused Triton
-kernels of moe_kernels.py for decode and verify windows, one grouped GEMM with device
-offsets for longer ones), which CUDA graphs can capture. Hits are then counted on the
-device (one per distinct expert a layer-window reads) and read when `counters()` is asked.
+The device path (`device_path`, CUDA with Triton). A layer routes and computes on the
+device with no host synchronisation (`LayerExperts.compute_device`: the fused Triton
+kernels of moe_kernels.py), which CUDA graphs can capture. With every expert resident
+(the common case when they fit) nothing is ever uploaded; a window longer than
+`DEVICE_WINDOW_TOKENS` takes one grouped GEMM with group offsets computed on the device.
+With fewer slots than experts, the device residency map (`slot_key`) tells the kernels
+where each expert is: a resident one is read from its slot, a missing one straight from
+pinned host memory (mapped into the device's address space: zero-copy, same weights,
+same kernel, so numerics still do not depend on residency). The kernels count tokens per
+expert, hits and misses on the device; the counts reach pinned memory after each window
+and `rebalance` (between windows, outside any graph, no sync) folds them into the scores
+and uploads the experts that now out-score a resident one. Windows longer than
+`DEVICE_WINDOW_TOKENS` (prefill chunks) take the host-routed path above. A device whose
+kernels cannot read pinned host memory (probed once) keeps the host-routed path.
 """
 
 from __future__ import annotations
@@ -42,12 +50,19 @@ import torch.nn.functional as F
 from draftflow.layers.moe import HostExperts
 
 HALF_LIFE_TOKENS = 64
+DEVICE_WINDOW_TOKENS = 64  # longest window the fused kernels serve (moe_kernels.FUSED_MAX_TOKENS)
 _DECAY_PER_TOKEN = 0.5 ** (1 / HALF_LIFE_TOKENS)
 
 
 def min_resident(num_moe_layers: int, top_k: int) -> int:
     """The fewest resident experts a model can run with: top-k slots in every MoE layer."""
     return num_moe_layers * top_k
+
+
+def _host_reads_work(host: HostExperts) -> bool:
+    from draftflow.layers.moe_kernels import host_reads_work
+
+    return host_reads_work(host.gate_up)
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -88,12 +103,16 @@ class ExpertCache:
         self.slot_gate_up = torch.empty((self.resident, two_i, h), dtype=host.gate_up.dtype, device=self.device)  # [N, 2I, H]
         self.slot_down = torch.empty((self.resident, h, two_i // 2), dtype=host.down.dtype, device=self.device)  # [N, H, I]
         self.hits = self.misses = self.upload_bytes = 0
-        # Every expert resident on CUDA: route and compute on the device, no host sync (tests may force it on the
-        # CPU through Triton's interpreter). Hits of that path are counted on the device, in `device_hits`.
         self.all_resident = self.resident == self.total
-        self.device_path = (self.all_resident and self.device.type == "cuda"
-                            and importlib.util.find_spec("triton") is not None)
-        self.device_hits = torch.zeros(1, dtype=torch.int32, device=self.device)  # [1]
+        # The device path (docs above); tests force it on the CPU through Triton's interpreter.
+        self.device_path = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None and (
+            self.all_resident or _host_reads_work(host))
+        # Per MoE layer, counted by the kernels: tokens routed to each expert, then hits, then misses.
+        e = self.num_experts
+        self.tally = torch.zeros(n_layers, e + 2, dtype=torch.int32, device=self.device)  # [L, E + 2]
+        self.staged = torch.zeros(n_layers, e + 2, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.seen = torch.zeros(n_layers, e, dtype=torch.int32)  # routed counts `rebalance` has folded in
+        self.resident_mask = torch.zeros(n_layers, e, dtype=torch.bool)  # [L, E], mirrors the layers' slot_of
         base, extra = divmod(self.resident, n_layers)
         self.layers, start = [], 0
         for row in range(n_layers):
@@ -107,13 +126,40 @@ class ExpertCache:
             block.experts = layer
 
     def counters(self) -> dict[str, int]:
-        """Cumulative hits, misses (= uploads) and bytes uploaded since construction.
+        """Cumulative hits, misses and bytes uploaded since construction.
 
-        With `device_path` the hits live on the device: reading them waits for the stream (the
-        executor asks once per cycle, after the cycle's own sync, when the stream is idle).
+        A miss is a routed expert that had no slot: uploaded for the window on the host-routed
+        path, read from host memory by the kernels on the device path (whose uploads are
+        `rebalance`'s promotions). The device path's counts live on the device: reading them
+        waits for the stream (the executor asks once per cycle, after the cycle's own sync).
         """
-        hits = self.hits + (int(self.device_hits.item()) if self.device_path else 0)
-        return {"expert_hits": hits, "expert_misses": self.misses, "expert_upload_bytes": self.upload_bytes}
+        hits, misses = self.hits, self.misses
+        if self.device_path:
+            device_hits, device_misses = self.tally[:, -2:].sum(0).tolist()
+            hits, misses = hits + device_hits, misses + device_misses
+        return {"expert_hits": hits, "expert_misses": misses, "expert_upload_bytes": self.upload_bytes}
+
+    def capturable(self, tokens: int) -> bool:
+        """Whether windows of up to `tokens` tokens run with no host sync (so a CUDA graph can hold them)."""
+        return self.device_path and (self.all_resident or tokens <= DEVICE_WINDOW_TOKENS)
+
+    def rebalance(self) -> None:
+        """Between windows, outside any CUDA graph: fold the device path's routing counts into the scores and
+        upload the experts that now out-score a resident one. Nothing syncs: the counts were copied to pinned
+        memory after the last window, and a copy still in flight only delays a promotion."""
+        if self.all_resident or not self.device_path:
+            return
+        routed = self.staged[:, :self.num_experts].clone()  # [L, E] cumulative
+        fresh = (routed - self.seen).clamp_(min=0)
+        self.seen = routed
+        if not bool(fresh.any()):
+            return
+        wanted = (fresh > 0) & ~self.resident_mask  # [L, E] routed, read from the host
+        for row, layer in enumerate(self.layers):
+            counts = fresh[row].tolist()
+            layer._note(counts, sum(counts) // self.top_k)
+            if bool(wanted[row].any()):
+                layer.promote(wanted[row].nonzero().flatten().tolist(), counts)
 
     def upload(self, row: int, expert: int, slot: int) -> None:
         # Pinned host memory + non_blocking: the copy is queued on the stream before the expert's GEMM.
@@ -126,7 +172,7 @@ class ExpertCache:
 
     def release(self) -> None:
         """Drop the device slots now (layers and cache refer to each other, so refcounting alone would not)."""
-        self.slot_gate_up = self.slot_down = self.device_hits = None
+        self.slot_gate_up = self.slot_down = self.tally = None
         self.layers = []
 
 
@@ -141,6 +187,7 @@ class LayerExperts:
         self.score = [0.0] * e
         for slot, expert in enumerate(self.expert_in):
             self.slot_of[expert] = slot
+            cache.resident_mask[row, expert] = True
             cache.upload(row, expert, start + slot)  # warm start: not counted as misses
         # The same map on the device (non-resident = size, sorting after every slot): a window whose
         # experts are all resident after its uploads groups its rows with no host-built index.
@@ -162,27 +209,65 @@ class LayerExperts:
         # A fixed-order reduction over k: the result does not depend on which pass computed a row.
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
-    def compute_resident(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`compute` with every routed expert resident, on the device only: no host sync, capturable."""
+    def compute_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`compute` on the device path: no host sync (so capturable), except a partly resident cache's long window."""
         # x: [N, H]; ids, weights: [N, k] -> [N, H]
-        slots = slice(self.start, self.start + self.size)
-        gate_up, down = self.cache.slot_gate_up[slots], self.cache.slot_down[slots]  # [S, 2I, H], [S, H, I]
-        from draftflow.layers import moe_kernels
+        cache, n = self.cache, x.shape[0]
+        if self.row == 0 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            cache.rebalance()  # eager windows: the last window's routing decides uploads now (the runner calls it too)
+        if n > DEVICE_WINDOW_TOKENS and not cache.all_resident:
+            out = self.compute(x, ids, weights)  # a prefill chunk: upload its misses once, one sync
+        elif n > DEVICE_WINDOW_TOKENS and _use_grouped_mm(x):
+            out = self._grouped_device(x, ids, weights)
+        else:
+            from draftflow.layers.moe_kernels import fused_experts
 
-        if x.shape[0] <= moe_kernels.FUSED_MAX_TOKENS or not _use_grouped_mm(x):
-            return moe_kernels.fused_experts(x, ids, weights, gate_up, down, self.slot_key, self.cache.device_hits)
-        # A long window (a prefill chunk, a large batch bucket): one grouped GEMM per projection, with the
-        # group offsets computed on the device (no bincount: on CUDA it reads its maximum back to the host).
+            slots = slice(self.start, self.start + self.size)
+            host = None if cache.all_resident else (cache.host.gate_up[self.row], cache.host.down[self.row])
+            out = fused_experts(x, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], self.slot_key,
+                                cache.tally[self.row], host)
+        if self.row == len(cache.layers) - 1:
+            cache.staged.copy_(cache.tally, non_blocking=True)  # for `rebalance`, after the window's last layer
+        return out
+
+    def _grouped_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert resident, a long window: one grouped GEMM per projection, group offsets computed on the
+        device (no bincount: on CUDA it reads its maximum back to the host)."""
         n, k = ids.shape
+        slots = slice(self.start, self.start + self.size)
         key = self.slot_key[ids.reshape(-1)]  # [N*k] slot of each (token, k) pair
         order = torch.argsort(key, stable=True)  # [N*k]
         counts = torch.zeros(self.size, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
         offs = counts.cumsum(0).to(torch.int32)  # [S]
-        self.cache.device_hits += (counts > 0).sum()
+        tally = self.cache.tally[self.row]  # [E + 2]; slot == expert when every expert is resident
+        tally[:self.size] += counts.to(torch.int32)
+        tally[-2] += (counts > 0).sum().to(torch.int32)
+        gate_up, down = self.cache.slot_gate_up[slots], self.cache.slot_down[slots]
         gate, up = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [M, I] each
         rows = x.new_empty(n * k, x.shape[1])  # [N*k, H]
         rows[order] = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
+
+    def promote(self, candidates: list[int], counts: list[int]) -> None:
+        """Upload the best-scoring `candidates` (routed, not resident) into the slots of lower-scoring resident
+        experts not routed in `counts`; at most top-k per call, since uploads share the bus with the window's reads."""
+        score = self.score
+        best = sorted(candidates, key=lambda e: (-score[e], e))[:self.cache.top_k]
+        victims = sorted((s for s in range(self.size) if not counts[self.expert_in[s]]),
+                         key=lambda s: (score[self.expert_in[s]], self.expert_in[s]))
+        for expert, slot in zip(best, victims):
+            if score[expert] <= score[self.expert_in[slot]]:
+                break
+            self._place(expert, slot)
+            self.cache.upload_bytes += self.cache.bytes_per_expert
+
+    def _place(self, expert: int, slot: int) -> None:
+        """Evict the expert in local `slot` and upload `expert` there (host and device maps, queued: no sync)."""
+        old, mask = self.expert_in[slot], self.cache.resident_mask[self.row]
+        self.slot_of[old], mask[old] = -1, False
+        self.slot_of[expert], self.expert_in[slot], mask[expert] = slot, expert, True
+        self.slot_key[old], self.slot_key[expert] = self.size, slot  # queued like the upload
+        self.cache.upload(self.row, expert, self.start + slot)
 
     def _note(self, counts: list[int], tokens: int) -> None:
         decay = _DECAY_PER_TOKEN ** tokens
@@ -200,11 +285,7 @@ class LayerExperts:
                       key=lambda s: (self.score[self.expert_in[s]], self.expert_in[s]))
         taken = missing[:len(free)]
         for expert, slot in zip(taken, free):
-            old = self.expert_in[slot]
-            self.slot_of[old] = -1
-            self.slot_of[expert], self.expert_in[slot] = slot, expert
-            self.slot_key[old], self.slot_key[expert] = self.size, slot  # queued like the upload: no sync
-            cache.upload(self.row, expert, self.start + slot)
+            self._place(expert, slot)
         cache.hits += len(hits)
         cache.misses += len(taken)
         cache.upload_bytes += len(taken) * cache.bytes_per_expert

@@ -183,11 +183,11 @@ class SparseMoeBlock(nn.Module):
             raise RuntimeError("MoE block has no expert cache attached; call TargetModel.set_expert_cache first")
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         logits = self.gate(flat)  # [N, E]
-        if self.experts.cache.device_path:  # every expert resident: routing and experts on the device, no host sync
+        if self.experts.cache.device_path:  # routing and experts on the device (expert_cache.py), no host sync
             from draftflow.layers.moe_kernels import route_topk
 
             weights, ids = route_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)  # [N, k], [N, k]
-            out = self.experts.compute_resident(flat, ids, weights)  # [N, H]
+            out = self.experts.compute_device(flat, ids, weights)  # [N, H]
         else:
             weights, ids = route(logits, self.top_k, self.norm_topk_prob, x.dtype)  # [N, k], [N, k]
             out = self.experts.compute(flat, ids, weights)  # [N, H]

@@ -25,12 +25,15 @@ CUDA paths, or by tests through Triton's interpreter (TRITON_INTERPRET=1) on CPU
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from draftflow.layers.triton_kernels import _round
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FUSED_MAX_TOKENS = 64  # token rows one program holds at once; larger windows loop over blocks of this many
 
 
@@ -91,13 +94,14 @@ def _my_rows(ids_ptr, e, p, t0, N, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, ids_ptr, slot_ptr, w_ptr, act_ptr, hits_ptr,
-    N, H, I, stride_slot,
+    x_ptr, ids_ptr, slot_ptr, w_ptr, host_ptr, act_ptr, tally_ptr,
+    N, H, I, E, S, stride_slot, stride_host,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
     BY_PAIR: tl.constexpr, IS_BF16: tl.constexpr, IS_FP32: tl.constexpr,
 ):
-    # x: [N, H]; ids: [N, K]; w: [S, 2I, H] (gate rows, then up rows); act: [N*K, I] = silu(x W_g^T) * (x W_u^T)
-    # per pair; one program per (pair p or expert e, block of I columns)
+    # x: [N, H]; ids: [N, K]; w: [S, 2I, H] slots (gate rows, then up rows), host: [E, 2I, H]; act: [N*K, I] =
+    # silu(x W_g^T) * (x W_u^T) per pair; tally: [E + 2] tokens routed per expert, hits, misses. One program per
+    # (pair p or expert e, block of I columns)
     lead = tl.program_id(0)
     cb = tl.program_id(1)
     if BY_PAIR:
@@ -105,7 +109,11 @@ def _gate_up_kernel(
     else:
         e = lead.to(tl.int64)
     slot = tl.load(slot_ptr + e).to(tl.int64)
-    wg = w_ptr + slot * stride_slot
+    resident = slot < S
+    if resident:
+        wg = w_ptr + slot * stride_slot
+    else:  # a miss: read the expert from pinned host memory (mapped into the device's address space)
+        wg = host_ptr + e * stride_host
     cols = cb * BLOCK_I + tl.arange(0, BLOCK_I)
     col_live = cols < I
     hs = tl.arange(0, BLOCK_H)
@@ -135,14 +143,18 @@ def _gate_up_kernel(
         s = _round(gate / (1.0 + tl.exp(-gate)), IS_BF16)
         out = act_ptr + pair[:, None].to(tl.int64) * I + cols[None, :]
         tl.store(out, (s * up).to(act_ptr.dtype.element_ty), mask=uses[:, None] & col_live[None, :])
-    # One count per expert served (column block 0 only): the window's distinct experts, read on the host later.
-    tl.atomic_add(hits_ptr, 1, mask=(tl.sum(served, 0) > 0) & (cb == 0))
+    # Column block 0 counts, per expert served: its tokens (eviction scores), and one hit or one miss.
+    tokens = tl.sum(served, 0)
+    counted = (tokens > 0) & (cb == 0)
+    tl.atomic_add(tally_ptr + e, tokens, mask=counted)
+    tl.atomic_add(tally_ptr + E, 1, mask=counted & resident)
+    tl.atomic_add(tally_ptr + E + 1, 1, mask=counted & (slot >= S))
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, ids_ptr, slot_ptr, w_ptr, y_ptr,
-    N, H, I, stride_slot,
+    act_ptr, ids_ptr, slot_ptr, w_ptr, host_ptr, y_ptr,
+    N, H, I, S, stride_slot, stride_host,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
     BY_PAIR: tl.constexpr, IS_FP32: tl.constexpr,
 ):
@@ -154,7 +166,10 @@ def _down_kernel(
     else:
         e = lead.to(tl.int64)
     slot = tl.load(slot_ptr + e).to(tl.int64)
-    wd = w_ptr + slot * stride_slot
+    if slot < S:
+        wd = w_ptr + slot * stride_slot
+    else:
+        wd = host_ptr + e * stride_host
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_live = cols < H
     js = tl.arange(0, BLOCK_I)
@@ -191,7 +206,10 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constex
 
 def _blocks(pairs: int) -> int:
     # Output columns per program: narrow when few experts are routed, so the weight reads still spread over
-    # every multiprocessor (a memory-bound GEMV wants several programs per SM), wider when many are.
+    # every multiprocessor (a memory-bound GEMV wants several programs per SM), wider when many are. Triton's
+    # interpreter (CPU tests) pays per program: wide tiles there.
+    if _INTERPRETED:
+        return 64
     if pairs <= 16:
         return 16
     return 32 if pairs <= 64 else 64
@@ -203,14 +221,17 @@ def fused_experts(
     weights: torch.Tensor,  # [N, k] routing weights
     gate_up: torch.Tensor,  # [S, 2I, H] expert slots: gate rows, then up rows
     down: torch.Tensor,  # [S, H, I]
-    slot_of: torch.Tensor,  # [E] int: expert -> slot (every routed expert resident)
-    hits: torch.Tensor,  # [1] int32: incremented once per distinct expert the window reads
+    slot_of: torch.Tensor,  # [E] int: expert -> slot; S (or more) = not resident, read from `host`
+    tally: torch.Tensor,  # [E + 2] int32: += tokens routed to each expert, then hits, then misses (one per expert read)
+    host: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([E, 2I, H], [E, H, I]) pinned: every expert
     columns: tuple[int, int] | None = None,  # output columns per program (gate/up, down); None: by the pair count
 ) -> torch.Tensor:  # [N, H]
-    """Sum over k of weight * expert(x) for every token, reading each routed expert once."""
+    """Sum over k of weight * expert(x) for every token, reading each routed expert once (from its slot, or from
+    pinned host memory when it has none)."""
     n, k = ids.shape
     h, i = x.shape[1], down.shape[2]
-    num_experts = slot_of.shape[0]
+    num_experts, slots = slot_of.shape[0], gate_up.shape[0]
+    host_gate_up, host_down = host if host is not None else (gate_up, down)  # without host: every expert resident
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -225,11 +246,12 @@ def fused_experts(
     block_i, block_n = columns or (_blocks(pairs), _blocks(pairs))
     common = dict(K=k, BLOCK_T=block_t, BLOCK_KP=triton.next_power_of_2(k), BY_PAIR=by_pair)
     _gate_up_kernel[(leads, triton.cdiv(i, block_i))](
-        x, ids, slot_of, gate_up, act, hits, n, h, i, gate_up.stride(0),
-        BLOCK_I=block_i, BLOCK_H=128 if h >= 128 else 64, IS_BF16=is_bf16, IS_FP32=is_fp32, **common, num_warps=4,
+        x, ids, slot_of, gate_up, host_gate_up, act, tally, n, h, i, num_experts, slots, gate_up.stride(0),
+        host_gate_up.stride(0), BLOCK_I=block_i, BLOCK_H=128 if h >= 128 else 64, IS_BF16=is_bf16, IS_FP32=is_fp32,
+        **common, num_warps=4,
     )
     _down_kernel[(leads, triton.cdiv(h, block_n))](
-        act, ids, slot_of, down, y, n, h, i, down.stride(0),
+        act, ids, slot_of, down, host_down, y, n, h, i, slots, down.stride(0), host_down.stride(0),
         BLOCK_N=block_n, BLOCK_I=128 if i >= 128 else max(16, triton.next_power_of_2(i)), IS_FP32=is_fp32, **common,
         num_warps=4,
     )
@@ -237,3 +259,24 @@ def fused_experts(
     _combine_kernel[(n, triton.cdiv(h, block))](y, weights, out, h, K=k, BLOCK=block, IS_BF16=is_bf16,
                                                  num_warps=4 if block >= 512 else 1)
     return out
+
+
+@triton.jit
+def _probe_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
+
+
+def host_reads_work(pinned: torch.Tensor) -> bool:
+    """Whether a Triton kernel on this device can read `pinned` host memory directly (mapped pinned memory under
+    unified addressing): the expert cache's misses are served that way, else they are uploaded per window."""
+    if not pinned.is_pinned() or pinned.numel() < 16:
+        return False
+    src = pinned.reshape(-1)[:16]
+    dst = torch.zeros(16, dtype=pinned.dtype, device="cuda")
+    try:
+        _probe_kernel[(1,)](src, dst, BLOCK=16)
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - Triton refuses host pointers on some setups: then the eager cache serves misses
+        return False
+    return bool(torch.equal(dst.cpu(), src))

@@ -64,9 +64,10 @@ class GraphRunner:
         if model.config.moe_layers:
             if model.expert_cache is None and model.host_experts is not None:
                 model.set_expert_cache(None)  # every expert resident: built now, not inside a capture
-            if capture and not (model.expert_cache is not None and model.expert_cache.device_path):
-                raise ValueError("a MoE target runs under CUDA graphs only with every expert resident (routing on the "
-                                 "device, moe_kernels.py); an expert cache's uploads are host decisions: run it eagerly")
+            if capture and not (model.expert_cache is not None
+                                and model.expert_cache.capturable(cache.buffer.shape[2] * max_window)):
+                raise ValueError("this MoE target's windows need the host (expert cache without device routing, or "
+                                 "batched windows past its device window, docs/MOE.md): run it eagerly")
         if fused:
             fuse_projections(model)
         kv = cache.buffer  # [L, 2, B, capacity, KVH, D]
@@ -105,6 +106,7 @@ class GraphRunner:
             self.tokens[:1, 1:w].copy_(drafts)
         self.start.fill_(start)
         key = (1, w, bucket_for(start + w, self.cache.capacity, self.min_bucket))
+        self._rebalance()
         self.graphs(*key)
         return self.outputs[key]
 
@@ -140,9 +142,14 @@ class GraphRunner:
             self.tokens[:n, 1:w].copy_(drafts)
         self.starts[:nb].copy_(staged[nb:])
         key = (nb, w, bucket_for(max(starts) + w, self.cache.capacity, self.min_bucket))
+        self._rebalance()
         self.graphs(*key)
         logits, taps = self.outputs[key]
         return logits[:n], (taps[:n] if taps is not None else None)
+
+    def _rebalance(self) -> None:
+        if self.model.expert_cache is not None:  # MoE: the last window's routing decides uploads, outside the graph
+            self.model.expert_cache.rebalance()
 
     def _width(self, drafts: torch.Tensor | None) -> int:
         w = 1 + (drafts.shape[1] if drafts is not None else 0)

@@ -225,9 +225,9 @@ class Target(Node):
         ctx.buffers[EMBED_BUFFER] = self.model.embed_tokens.weight  # declared of_weights buffers: readers are checked
         ctx.buffers[HEAD_BUFFER] = self.model.head_weight()
         self.runner = None  # decode/verify windows as CUDA graphs; prefill always runs eagerly
-        # An expert cache that is not all resident stays eager: its uploads are host decisions made per window,
-        # which a CUDA graph cannot capture. With every expert resident MoE layers route on the device.
-        moe_eager = self.config.moe_layers and not self.model.expert_cache.device_path
+        # MoE layers on the device path route on the device (docs/MOE.md); a cache whose misses need the host
+        # (no device path, or batched windows past the device window) stays eager: a graph cannot replay host decisions.
+        moe_eager = self.config.moe_layers and not self.model.expert_cache.capturable(ctx.max_batch * window)
         if p["cuda_graphs"] and p["kv_mode"] == "static" and torch.device(ctx.device).type == "cuda" and not moe_eager:
             from draftflow.plugins.target.graphs import GraphRunner
 
@@ -239,7 +239,7 @@ class Target(Node):
         """Load CUDA libraries and kernels with a short eager window, then capture the decode and verify graphs."""
         experts = self.model.expert_cache
         if torch.device(self.ctx.device).type != "cuda" or (experts is not None and not experts.device_path):
-            return  # an expert cache: an eager window would move experts before the first request
+            return  # host-routed experts: an eager window would move experts before the first request
         # Never committed: writes slot 0's cells past its committed length and linear-state candidate slots only
         # (the next prefill resets the linear state's open window). Larger batch buckets are captured on first use.
         cache, linear = self._slot(0)

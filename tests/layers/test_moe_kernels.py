@@ -67,8 +67,10 @@ def test_fused_block_matches_the_expert_cache_path(tokens, top_k):
     want, got = _both(block, cache, x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     ids = route(block.gate(x.reshape(-1, HIDDEN)), top_k, True, torch.float32)[1]
-    # The device counts each distinct expert once per window: the window read every routed expert exactly once.
-    assert int(cache.device_hits) == ids.unique().numel()
+    # The kernels count each distinct expert once per window (every one a hit: all resident) and its tokens.
+    tally = cache.tally[0].cpu()
+    assert tally[-2:].tolist() == [ids.unique().numel(), 0]
+    assert torch.equal(tally[:-2], torch.bincount(ids.reshape(-1).cpu(), minlength=16).int())
     assert cache.counters()["expert_hits"] == cache.hits + ids.unique().numel()
 
 
@@ -105,8 +107,8 @@ def test_slots_follow_the_residency_map():
     slot_of = torch.randperm(e, generator=gen)
     slots_gu, slots_d = torch.empty_like(gate_up), torch.empty_like(down)
     slots_gu[slot_of], slots_d[slot_of] = gate_up, down
-    hits = torch.zeros(1, dtype=torch.int32)
-    got = moe_kernels.fused_experts(*(t.to(DEVICE) for t in (x, ids, weights, slots_gu, slots_d, slot_of, hits)))
+    tally = torch.zeros(e + 2, dtype=torch.int32)
+    got = moe_kernels.fused_experts(*(t.to(DEVICE) for t in (x, ids, weights, slots_gu, slots_d, slot_of, tally)))
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -116,4 +118,31 @@ def test_long_window_uses_device_offsets_and_matches():
     x = torch.randn(1, moe_kernels.FUSED_MAX_TOKENS + 36, HIDDEN, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     want, got = _both(block, cache, x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert int(cache.device_hits) == 16
+    assert cache.tally[0, -2:].tolist() == [16, 0]
+
+
+def test_partial_residency_reads_misses_from_host_memory():
+    """6 of 16 experts resident: misses are read from the host stacks, bit-equal to all resident; `rebalance` then
+    uploads routed experts into slots of unrouted ones, and the output stays bit-equal with fewer misses."""
+    block, full = _block(16, 4, norm=True, seed=11)
+    x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    full.device_path = True
+    want = block(x)
+    cache = ExpertCache(full.host, 6, 4, DEVICE)
+    cache.attach([block])
+    cache.device_path = True
+    assert cache.capturable(64) and not cache.capturable(65) and full.capturable(10_000)
+    got = block(x)
+    assert torch.equal(got, want)
+    routed = route(block.gate(x.reshape(-1, HIDDEN)), 4, True, torch.float32)[1].unique().tolist()
+    missing = [e for e in routed if e >= 6]  # the warm start holds experts 0..5
+    assert cache.tally[0, -2:].tolist() == [len(routed) - len(missing), len(missing)] and missing
+    cache.rebalance()
+    promoted = cache.upload_bytes // cache.bytes_per_expert
+    assert 0 < promoted <= 4 and cache.resident_mask[0].sum() == 6
+    assert cache.resident_mask[0, missing].sum() == promoted  # uploaded experts are ones the window missed
+    layer = cache.layers[0]
+    assert all(layer.slot_of[layer.expert_in[s]] == s for s in range(6))
+    assert [int(k) for k in layer.slot_key] == [s if s >= 0 else 6 for s in layer.slot_of]  # device map follows
+    assert torch.equal(block(x), want)
+    assert cache.tally[0, -1] == 2 * len(missing) - promoted

@@ -49,19 +49,26 @@ def test_forward_logits_equal_the_expert_cache_path(loaded):
     assert 2 * 2 * cfg.num_experts_per_tok <= hits <= 2 * 2 * cfg.num_experts
 
 
-def test_graph_runner_windows_give_the_eager_greedy_tokens(loaded):
-    """The runner's static one-token windows on the device path emit the host-routed greedy continuation."""
+@pytest.mark.parametrize("resident", [None, 10])
+def test_graph_runner_windows_give_the_eager_greedy_tokens(loaded, resident):
+    """The runner's static one-token windows on the device path (every expert resident, or 10 of 96 with misses read
+    from host memory and promoted between windows) emit the host-routed greedy continuation."""
     model, cfg = loaded.model, loaded.config
     model.set_expert_cache(None).device_path = False
-    want = our_greedy(model, cfg, torch.tensor([PROMPT]), 7)
+    want = our_greedy(model, cfg, torch.tensor([PROMPT]), 5)
     model.set_expert_cache(None).device_path = True
     static = KVCache.from_static(torch.zeros(static_shape(cfg, 1, 64)))
-    runner = GraphRunner(model, static, max_window=4, capture=False, compiled=False, min_bucket=16)
-    logits, _ = model(torch.tensor([PROMPT]), 0, static, logit_rows=1)
+    logits, _ = model(torch.tensor([PROMPT]), 0, static, logit_rows=1)  # prefill: the same at any residency
     static.commit(len(PROMPT))
+    cache = model.set_expert_cache(resident)
+    cache.device_path = True
+    runner = GraphRunner(model, static, max_window=4, capture=False, compiled=False, min_bucket=16)
     got = [int(logits[0, -1].argmax())]
-    for _ in range(6):
+    for _ in range(4):
         logits, _ = runner(got[-1], None, static.length)
         static.commit(static.length + 1)
         got.append(int(logits[0, -1].argmax()))
     assert got == want
+    if resident:
+        counts = cache.counters()
+        assert counts["expert_misses"] > 0 and counts["expert_upload_bytes"] > 0  # read from the host, then promoted
