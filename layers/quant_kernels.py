@@ -47,14 +47,15 @@ from draftflow.layers.triton_kernels import _round
 
 GEMV_MAX_ROWS = 64  # rows (tokens of all batch rows) that take the GEMV; more: dequantize + cuBLAS
 DOT_MIN_ROWS = 5  # from this many rows the GEMV multiplies on tensor cores
-GEMV_BLOCK_N = 16  # output features per program (tl.dot needs >= 16)
-GEMV_WARPS = 4
+# (output features per program, warps) without and with tl.dot (which needs >= 16 features). Small tiles give
+# many programs, so even the 4096-row o/down projections keep enough loads in flight; benchmarks/gpu_quant.py
+# sweeps the alternatives at the 8B shapes.
+GEMV_TILES = {False: (8, 2), True: (16, 4)}
 _CODE = {name: i for i, name in enumerate(QTYPES)}  # the kernels' QTYPE constant
 # Triton's CPU interpreter truncates float32 -> bfloat16 and mis-multiplies bfloat16 it converted itself, so there
 # the kernels round on the bits (as the GPU's round-to-nearest-even does) and multiply the rounded values in float32.
 # The interpreter also pays per program, not per element: it runs wide tiles (the tests pin BLOCK_N 16 explicitly).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_BLOCK_N = 256 if _INTERPRETED else GEMV_BLOCK_N
 PARTS = {"Q8_0": (32, 1), "Q4_0": (16, 2), "Q4_1": (16, 2), "Q5_0": (16, 2), "Q5_1": (16, 2),
          "Q4_K": (32, 8), "Q5_K": (32, 8), "Q6_K": (32, 8)}  # (weights per part, parts per block)
 
@@ -143,6 +144,8 @@ def _gemv_kernel(
     xrow = x_ptr + ms[:, None] * stride_xm  # [BM, 1]
     lanes = tl.arange(0, P)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if not USE_DOT:  # multiply-adds into per-lane partial sums, reduced once at the end
+        lanes_acc = tl.zeros([BLOCK_M, BLOCK_N, P], dtype=tl.float32)
     for i in range(0, n_blocks, UNROLL):
         for u in tl.static_range(UNROLL):
             blk = wrow + (i + u) * BB
@@ -157,7 +160,9 @@ def _gemv_kernel(
                     else:  # (interpreter) the same products in float32
                         acc += tl.dot(x.to(tl.float32), tl.trans(_round(w, True)), input_precision="ieee")
                 else:
-                    acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+                    lanes_acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(lanes_acc, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + safe).to(tl.float32)[None, :]
     acc = _round(acc, OUT_BF16)
@@ -189,8 +194,8 @@ def _dequant_kernel(
 def _meta(qtype: str, n_blocks: int) -> dict:
     block, size = LAYOUT[qtype]
     p, parts = PARTS[qtype]
-    # 32-weight blocks are small: several per loop iteration (as many as divide the row)
-    unroll = next(u for u in (4, 2, 1) if n_blocks % u == 0) if block == 32 else 1
+    # Several blocks per loop iteration (as many as divide the row): more independent loads in flight per program
+    unroll = next(u for u in ((8, 4, 2, 1) if block == 32 else (2, 1)) if n_blocks % u == 0)
     return dict(QTYPE=_CODE[qtype], BS=block, BB=size, P=p, NPART=parts, UNROLL=unroll)
 
 
@@ -211,8 +216,8 @@ def gemv(
     qtype: str,
     bias: torch.Tensor | None = None,  # [N]
     out: torch.Tensor | None = None,  # [M, N], unit column stride (a column slice of a wider output is fine)
-    block_n: int = _BLOCK_N,
-    num_warps: int = GEMV_WARPS,
+    block_n: int | None = None,  # None: GEMV_TILES (the interpreter: 256, it pays per program)
+    num_warps: int | None = None,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """x @ W^T reading every weight byte once for all M rows (M <= GEMV_MAX_ROWS)."""
     m, k = x.shape
@@ -221,6 +226,9 @@ def gemv(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     use_dot = m >= DOT_MIN_ROWS
+    tile_n, warps = GEMV_TILES[use_dot]
+    block_n = block_n or (256 if _INTERPRETED else tile_n)
+    num_warps = num_warps or warps
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, blocks, bias if bias is not None else x, out, m, n, blocks.stride(0), n_blocks, x.stride(0), out.stride(0),

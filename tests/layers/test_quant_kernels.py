@@ -79,8 +79,8 @@ def test_gemv_rows_and_prefill_path_match_reference(qtype):
     for m in (1, 5, 16, 33, qk.GEMV_MAX_ROWS + 6):
         x = torch.randn(m, k, generator=gen).to(DEV)
         assert_product(qk.quant_matmul(x, blocks, qtype, k), x, w)
-        if m <= qk.GEMV_MAX_ROWS:  # the GPU's tile of 16 features (the interpreter's default tile is wider)
-            assert_product(qk.gemv(x, blocks, qtype, block_n=qk.GEMV_BLOCK_N), x, w)
+        if m <= qk.GEMV_MAX_ROWS:  # the GPU's tile (the interpreter's default tile is wider)
+            assert_product(qk.gemv(x, blocks, qtype, block_n=qk.GEMV_TILES[m >= qk.DOT_MIN_ROWS][0]), x, w)
 
 
 def test_bias_batch_dims_and_bf16():

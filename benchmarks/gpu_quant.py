@@ -1,0 +1,260 @@
+"""GGUF weights kept quantized on one GPU at Qwen3-8B shapes: decode and verify against the weight-read floor.
+
+    python benchmarks/gpu_quant.py --out DIR        # everything; DIR/results.json and a table (< 3 min on an H200)
+    python benchmarks/gpu_quant.py --tiny --out DIR # CPU smoke test through Triton's interpreter (measures nothing)
+
+Configurations (issue 20): BF16 (the dequantized path: cuBLAS), Q8_0, Q6_K and Q4_K_M for every
+attention and MLP projection; Q4_K_M is Q4_K with Q6_K for attn_v and ffn_down in the layers
+llama.cpp's `use_more_bits` picks (the first and last eighth and every third between: 18 of 36).
+The embedding and LM head stay bf16 in all of them (the loader keeps them dequantized).
+
+Weights are drawn on the GPU, not read from a GGUF file: bf16 N(0, 0.02) as benchmarks/gpu_target.py
+draws them, then each projection is replaced by a `QuantLinear` of random bytes in its type's block
+layout with small finite fp16 scales (values are sane, not a trained model's). Per configuration:
+the bytes one decode step reads (every weight but the embedding table), the floor = those bytes
+over the device copy bandwidth measured in this run (gpu_target.copy_bandwidth), the 1-token step
+and the 16-token verify window as CUDA-graph replays of the target's GraphRunner (the node's
+default kernels), and a 512-token prefill. A per-projection table puts our GEMV next to cuBLAS's
+bf16 product at the four fused projection shapes (GB/s of weight bytes), with a small sweep of the
+GEMV's tile (BLOCK_N, warps) for the lead to pick defaults from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_target as gt  # noqa: E402  (timers, copy bandwidth, the random bf16 model, Results)
+
+CONFIGS = ("bf16", "q8_0", "q6_k", "q4_k_m")
+TINY = {**gt.QWEN3_8B, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}  # rows of 256: one K-quant block
+# fp16 scale fields per block (byte offset, magnitude): |w| stays below ~0.1 whatever the random quant bytes are
+SCALES = {"Q8_0": ((0, 5e-4),), "Q4_0": ((0, 1e-2),), "Q4_1": ((0, 5e-3), (2, 4e-2)), "Q5_0": ((0, 5e-3),),
+          "Q5_1": ((0, 3e-3), (2, 5e-2)), "Q4_K": ((0, 1e-4), (2, 1e-3)), "Q5_K": ((0, 5e-5), (2, 1e-3)),
+          "Q6_K": ((208, 2e-5),)}
+SWEEP = ((2, 1), (4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))  # (BLOCK_N, warps) of the float32-FMA GEMV
+SWEEP_DOT = ((16, 2), (16, 4), (32, 4), (64, 4))  # of the tensor-core GEMV (16 rows)
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """The layers whose attn_v / ffn_down llama.cpp's Q4_K_M stores as Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def qtype_of(config: str, layer: int, layers: int, name: str) -> str:
+    if config == "q4_k_m":
+        more = name in ("self_attn.v_proj", "mlp.down_proj") and use_more_bits(layer, layers)
+        return "Q6_K" if more else "Q4_K"
+    return config.upper()
+
+
+def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, row bytes] uint8 on the device: random quant bytes in `qtype`'s block layout, finite small scales."""
+    from draftflow.layers.quant_linear import LAYOUT
+
+    block, size = LAYOUT[qtype]
+    data = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8, device=gt.DEV, generator=gen)
+    for at, mag in SCALES[qtype]:
+        u = torch.rand(n, k // block, device=gt.DEV, generator=gen)
+        scale = (mag * (0.5 + 0.5 * u) * torch.where(u > 0.5, 1.0, -1.0)).to(torch.float16)
+        data[:, :, at:at + 2] = scale.view(torch.uint8).view(n, k // block, 2)
+    return data.view(n, k // block * size)
+
+
+def quantize_model(model, config: str, seed: int) -> None:
+    """Replace every attention and MLP projection by a QuantLinear of random bytes in the configuration's types."""
+    from draftflow.layers.quant_linear import QuantLinear
+
+    gen = torch.Generator(device=gt.DEV).manual_seed(seed)
+    layers = len(model.layers)
+    for i in range(layers):
+        for name in PROJECTIONS:
+            owner, attr = model.get_submodule(f"layers.{i}.{name.split('.')[0]}"), name.split(".")[1]
+            old = getattr(owner, attr)  # nn.Linear, or the previous configuration's QuantLinear
+            lin = QuantLinear(qtype_of(config, i, layers, name), old.in_features, old.out_features, device="meta")
+            lin.blocks = random_blocks(lin.qtype, lin.out_features, lin.in_features, gen)
+            setattr(owner, attr, lin)
+    if gt.DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def read_bytes(model) -> int:
+    """Bytes one decode step reads: every tensor but the embedding table (a row lookup) and the RoPE table."""
+    return sum(t.nbytes for name, t in model.state_dict().items() if name not in ("embed_tokens.weight", "inv_freq"))
+
+
+def measure(model, cfg, bw: float, a) -> dict:
+    """Decode and verify as graph replays, a prefill, and the floor, for the model as it is now."""
+    from draftflow.layers.kv_cache import KVCache, static_shape
+    from draftflow.plugins.target.graphs import GraphRunner
+
+    start, prefill = (160, 512) if not a.tiny else (8, 64)
+    kv = KVCache.from_static(torch.zeros(static_shape(cfg, 1, 1024 if not a.tiny else 96), dtype=torch.bfloat16,
+                                         device=gt.DEV))
+    prompt = torch.randint(0, 100, (1, prefill), device=gt.DEV)
+    with torch.inference_mode():
+        model(prompt[:, :start], 0, kv)
+        kv.commit(start)
+        prefill_ms = gt.cuda_ms(lambda: model(prompt, 0, kv, logit_rows=1), 1, a.rounds)  # re-writes cells 0..511
+    runner = GraphRunner(model, kv, 16, capture=gt.DEV == "cuda", compiled=gt.DEV == "cuda")
+    w1 = time_window(runner, start, 1, a)
+    w16 = time_window(runner, start, 16, a)
+    nbytes = read_bytes(model)
+    floor_ms = nbytes / (bw * 1e12) * 1e3
+    return {"weight_bytes_read": nbytes, "floor_ms": floor_ms, "w1_ms": w1, "tok_s": 1e3 / w1,
+            "pct_of_floor": 100 * floor_ms / w1, "w16_ms": w16, "w16_over_w1": w16 / w1, "prefill_512_ms": prefill_ms}
+
+
+def time_window(runner, start: int, w: int, a) -> float:
+    if not a.tiny:
+        return gt.time_runner(runner, start, w, reps=a.reps)
+    drafts = torch.randint(0, 100, (1, w - 1)) if w > 1 else None
+    with torch.inference_mode():
+        return gt.cuda_ms(lambda: runner(7, drafts, start), 1, a.rounds)
+
+
+def check_product(model, config: str) -> float:
+    """Relative max error of layer 0's fused gate/up GEMV (1 row) against dequantize + matmul in float32."""
+    from draftflow.layers.quant_kernels import quant_matmul
+
+    lin = model.layers[0].mlp.gate_proj
+    x = torch.randn(1, lin.in_features, device=gt.DEV, dtype=torch.bfloat16)
+    got = quant_matmul(x, lin.blocks, lin.qtype, lin.in_features).float()
+    want = x.float() @ lin.dequantized(torch.float32).T
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def projections(cfg, a) -> dict:
+    """Per fused projection shape: cuBLAS bf16 vs our GEMV per type at 1 and 16 rows, GB/s of weight bytes read."""
+    from draftflow.layers.quant_kernels import DOT_MIN_ROWS, GEMV_TILES, gemv
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
+    gen = torch.Generator(device=gt.DEV).manual_seed(5)
+    reps, out = (50 if not a.tiny else 1), {}
+    for name, (n, k) in shapes.items():
+        row = out[f"{name} [{n}x{k}]"] = {}
+        w = torch.randn(n, k, device=gt.DEV, generator=gen).to(torch.bfloat16)
+        for m in (1, 16):
+            x = torch.randn(m, k, device=gt.DEV, dtype=torch.bfloat16)
+            ms = gt.cuda_ms(lambda: F.linear(x, w), reps, a.rounds)
+            row[f"bf16 cuBLAS m={m}"] = {"us": ms * 1e3, "GBps": w.nbytes / ms / 1e6}
+        del w
+        for qtype in ("Q8_0", "Q6_K", "Q4_K"):
+            blocks = random_blocks(qtype, n, k, gen)
+            for m in (1, 16):
+                x = torch.randn(m, k, device=gt.DEV, dtype=torch.bfloat16)
+                default = GEMV_TILES[m >= DOT_MIN_ROWS]
+                tiles = [default] if not a.tiny else [(None, None)]  # tiny: the interpreter's tile
+                if a.sweep and not a.tiny and time.monotonic() - a.t0 < a.sweep_until_s:
+                    tiles += [t for t in (SWEEP_DOT if m >= DOT_MIN_ROWS else SWEEP) if t != default]
+                best = None
+                for bn, warps in tiles:
+                    kw = {} if bn is None else {"block_n": bn, "num_warps": warps}
+                    ms = gt.cuda_ms(lambda: gemv(x, blocks, qtype, **kw), reps, a.rounds)
+                    cell = {"us": ms * 1e3, "GBps": blocks.nbytes / ms / 1e6, "block_n": bn, "warps": warps}
+                    if bn is None or (bn, warps) == default:
+                        row[f"{qtype} GEMV m={m}"] = cell
+                    if best is None or cell["us"] < best["us"]:
+                        best = cell
+                if len(tiles) > 1:
+                    row[f"{qtype} GEMV m={m} best tile"] = best
+            del blocks
+    return out
+
+
+def table(res: dict) -> str:
+    lines = [f"copy bandwidth {res['copy_TBps']:.2f} TB/s; {res.get('device', '')}", "",
+             f"{'config':<8} {'GB read':>8} {'floor ms':>9} {'1-tok ms':>9} {'tok/s':>7} {'% floor':>8} "
+             f"{'16-tok ms':>10} {'16/1':>6} {'prefill512 ms':>14} {'GEMV err':>9}"]
+    for name in CONFIGS:
+        r = res.get("configs", {}).get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"{name:<8} error: {r['error']}")
+            continue
+        err = r.get("gemv_rel_err")
+        lines.append(f"{name:<8} {r['weight_bytes_read'] / 1e9:>8.2f} {r['floor_ms']:>9.3f} {r['w1_ms']:>9.3f} "
+                     f"{r['tok_s']:>7.1f} {r['pct_of_floor']:>7.1f}% {r['w16_ms']:>10.3f} {r['w16_over_w1']:>6.2f} "
+                     f"{r['prefill_512_ms']:>14.2f} {'-' if err is None else f'{err:.1e}':>9}")
+    bf16 = res.get("configs", {}).get("bf16", {}).get("tok_s")
+    if bf16:
+        lines.append("decode speed-up over bf16: " + ", ".join(
+            f"{n} {r['tok_s'] / bf16:.2f}x" for n, r in res["configs"].items() if "tok_s" in r and n != "bf16"))
+    for shape, row in res.get("projections", {}).items():
+        if "error" in row:
+            lines.append(f"{shape}: error: {row['error']}")
+            continue
+        lines.append("")
+        lines.append(f"{shape}:")
+        lines += [f"  {k:<24} {v['us']:>9.1f} us {v['GBps']:>8.0f} GB/s"
+                  + (f"  (BLOCK_N {v['block_n']}, {v['warps']} warps)" if v.get("block_n") else "") for k, v in row.items()]
+    return "\n".join(lines)
+
+
+def run(a) -> dict:
+    from draftflow.core.tracing import configure_logging
+    from draftflow.layers.config import TargetConfig
+
+    gt.DEV = "cpu" if a.tiny else "cuda"
+    configure_logging(verbose=False)
+    t0 = a.t0 = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = gt.Results(out / "results.json")
+    res.save("device", torch.cuda.get_device_name() if gt.DEV == "cuda" else "cpu (interpreter dry run)")
+    bw = gt.copy_bandwidth()
+    res.save("copy_TBps", bw)
+    cfg = TargetConfig.from_hf_dict(TINY if a.tiny else gt.QWEN3_8B, "qwen3-8b-shapes")
+    model = gt.build_model(cfg, seed=0)
+    results: dict = {}
+    for config in a.configs.split(","):
+        if config != "bf16":
+            gt.guarded(None, f"quantize {config}", lambda config=config: quantize_model(model, config, seed=1))
+        results[config] = gt.guarded(None, config, lambda: measure(model, cfg, bw, a))
+        if config != "bf16" and "error" not in results[config]:
+            results[config]["gemv_rel_err"] = gt.guarded(None, "check", lambda config=config: check_product(model, config))
+        res.save("configs", results)
+    del model
+    if gt.DEV == "cuda":
+        torch.cuda.empty_cache()
+    gt.guarded(res, "projections", lambda: projections(cfg, a))
+    res.save("elapsed_s", time.monotonic() - t0)
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/gpu_quant", help="folder for results.json")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer 256-wide model on the CPU through Triton's interpreter")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, in order (bf16 first: the others "
+                   "replace its projections): " + ", ".join(CONFIGS))
+    p.add_argument("--reps", type=int, default=50, help="graph replays per timing round")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is kept)")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the GEMV tile sweep")
+    p.add_argument("--sweep-until-s", type=float, default=120, help="skip the sweep's remaining shapes past this time")
+    a = p.parse_args()
+    if a.tiny:
+        a.rounds = 1
+    res = run(a)
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
