@@ -17,6 +17,12 @@ is its cost, in experts and in time per cycle, not a speedup. A random router ro
 close to uniformly, so the hit rate is about the resident fraction (no locality to
 exploit); real checkpoints route with skew and hit more. Finally it times one miss
 served by upload (pinned host -> device) against the same expert computed on the CPU.
+
+On CUDA the runs take the device path (docs/MOE.md: routing and fused experts on the device,
+misses read from pinned host memory, promotions between windows) wherever the expert cache
+enables it; each row also runs a short pass under torch's sync debug mode and reports the
+host synchronisations per cycle (the loop's own verdict read is one), and the target-only
+@spec run is repeated on the host-routed path (one sync per MoE layer and window) to compare.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import json
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -99,13 +106,35 @@ def build(cfg, device: str, seed: int):
     return model
 
 
+class SyncCounter:
+    """Counts host synchronisations inside the block, by torch's CUDA sync debug mode (0 on the CPU)."""
+
+    def __enter__(self):
+        self.count, self._caught = 0, None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self._caught is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self.count = sum("synchroniz" in str(w.message) for w in self._caught)
+            self._warnings.__exit__(*exc)
+        return False
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, seed: int) -> dict:
-    """Prefill `prompt` random tokens, then greedy-decode `tokens` (target-only when drafter is None)."""
+def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, seed: int, count_syncs: bool = False) -> dict:
+    """Prefill `prompt` random tokens, then greedy-decode `tokens` (target-only when drafter is None); `count_syncs`:
+    count the decode loop's host synchronisations (slower: not for timing)."""
     from draftflow.plugins.dflash.model import draft_logits
     from draftflow.layers.kv_cache import KVCache, static_shape
 
@@ -127,6 +156,9 @@ def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, see
         anchor, pos, done, cycles, accepted = ids[:, -1:], prompt - 1, 0, 0, 0
         sync(device)
         before, start = cache.counters(), time.perf_counter()
+        counter = SyncCounter() if count_syncs else None
+        if counter is not None:
+            counter.__enter__()
         while done < tokens:
             window = anchor
             if drafter is not None:
@@ -145,13 +177,18 @@ def decode(model, dcfg, drafter, dkv, device: str, prompt: int, tokens: int, see
                 drafter.draft(feats[:, :acc + 1], pos, None, dkv)
             anchor = torch.tensor([[stream[done + acc + 1]]], device=device)
             pos, done, cycles, accepted = pos + acc + 1, done + acc + 1, cycles + 1, accepted + acc
+        if counter is not None:
+            counter.__exit__(None, None, None)
         sync(device)
         elapsed = time.perf_counter() - start
     after = cache.counters()
     hits, misses = (after[k] - before[k] for k in ("expert_hits", "expert_misses"))
+    uploaded = after["expert_upload_bytes"] - before["expert_upload_bytes"]
     return {"tokens_per_s": done / elapsed, "tokens": done, "cycles": cycles, "accepted": accepted,
-            "hit_rate": hits / max(hits + misses, 1), "uploads_per_token": misses / done,
-            "upload_gb": (after["expert_upload_bytes"] - before["expert_upload_bytes"]) / 1e9}
+            "hit_rate": hits / max(hits + misses, 1), "misses_per_token": misses / done,
+            "uploads_per_token": uploaded / cache.bytes_per_expert / done, "upload_gb": uploaded / 1e9,
+            "device_path": cache.device_path,
+            **({"host_syncs_per_cycle": counter.count / max(cycles, 1)} if counter is not None else {})}
 
 
 def miss_costs(model, device: str) -> dict:
@@ -182,6 +219,21 @@ def miss_costs(model, device: str) -> dict:
             return F.linear(F.silu(g) * u, host.down[0, 1]).to(device)
 
         res[f"cpu_compute_{t}tok_ms"] = timed(cpu_expert)
+    if cache.device_path and not cache.all_resident:  # the device path reads a miss from pinned host memory
+        from draftflow.layers.moe_kernels import fused_experts
+
+        layer, k = cache.layers[0], model.config.num_experts_per_tok
+        x = torch.randn(1, model.config.hidden_size, dtype=DTYPE, device=device)
+        ids, weights = torch.arange(k, device=device)[None], torch.full((1, k), 1 / k, dtype=DTYPE, device=device)
+        slots = slice(layer.start, layer.start + layer.size)
+        args = (cache.slot_gate_up[slots], cache.slot_down[slots])
+        host_stacks, tally = (host.gate_up[0], host.down[0]), torch.zeros_like(cache.tally[0])
+        resident = torch.arange(cache.num_experts, device=device).clamp(max=layer.size)  # experts < size: a slot
+        missing = torch.full_like(resident, layer.size)  # every expert read from the host
+        ms = {name: timed(lambda key=key: fused_experts(x, ids, weights, *args, key, tally, host_stacks))
+              for name, key in (("resident", resident), ("from_host", missing))}
+        res["zero_copy_miss_ms"] = (ms["from_host"] - ms["resident"]) / k
+        res["zero_copy_gb_s"] = cache.bytes_per_expert / res["zero_copy_miss_ms"] / 1e6
     return res
 
 
@@ -221,18 +273,19 @@ def main() -> None:
     print(f"MoE expert cache, {res['device']}, torch {res['torch']}: {total} experts of {per / 2**20:.2f} MiB, "
           f"{len(cfg.moe_layers)} MoE layers, top-{cfg.num_experts_per_tok}; random bf16 weights; prompt {a.prompt}, "
           f"{a.tokens} tokens per run")
-    head = f"{'frac':>5} {'plan spec':>9} {'plan t-only':>11} {'drafter':>7}  {'run':<20}{'resident':>9}{'tok/s':>9}" \
-           f"{'hit rate':>9}{'up/tok':>8}{'plan GiB':>9}{'peak GiB':>9}"
-    # One grouped GEMM per layer and window, or one GEMM per routed expert: pick by measurement (full residency).
+    head = f"{'frac':>5} {'plan spec':>9} {'plan t-only':>11} {'drafter':>7}  {'run':<25}{'resident':>9}{'tok/s':>9}" \
+           f"{'hit rate':>9}{'miss/tok':>9}{'up/tok':>8}{'syncs':>7}{'plan GiB':>9}{'peak GiB':>9}"
+    # Full residency: the device path, and the host-routed path's two kernels (one grouped GEMM per layer and
+    # window, or one GEMM per routed expert; the faster one serves the host-routed rows below).
     kernels = {}
-    for grouped in (True, False):
-        model.set_expert_cache(None, grouped)
+    for label, device_path, grouped in (("device path", True, None), ("host-routed grouped", False, True),
+                                        ("host-routed per-expert", False, False)):
+        model.set_expert_cache(None, grouped).device_path = device_path and (dev == "cuda")
         decode(model, dcfg, None, dkv, dev, a.prompt, 4, seed=1)
-        kernels["grouped" if grouped else "per-expert"] = decode(model, dcfg, None, dkv, dev, a.prompt, 16, seed=1)["tokens_per_s"]
-    grouped = kernels["grouped"] >= kernels["per-expert"]
+        kernels[label] = decode(model, dcfg, None, dkv, dev, a.prompt, 16, seed=1)["tokens_per_s"]
+    grouped = kernels["host-routed grouped"] >= kernels["host-routed per-expert"]
     res["kernel_tok_s"], res["grouped"] = kernels, grouped
-    print(f"expert GEMMs at full residency, tokens/s: grouped {kernels['grouped']:.2f}, per-expert "
-          f"{kernels['per-expert']:.2f} -> using {'grouped' if grouped else 'per-expert'}")
+    print("full residency, tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
     print(head)
     for frac in (float(f) for f in a.fractions.split(",")):
         # Never below top-k per MoE layer (the planner would reject it): tiny shapes clamp 0.1 up.
@@ -241,26 +294,34 @@ def main() -> None:
         only_plan = predict({"target": plain}, budget, a.context)
         r_spec, r_only = spec_plan.experts.resident, only_plan.experts.resident
         cost = dict(spec_plan.experts.costs).get("drafter", 0)
-        runs = [("target-only @spec", r_spec, None, spec_plan), ("dflash (random)", r_spec, drafter, spec_plan)]
+        runs = [("target-only @spec", r_spec, None, spec_plan, True), ("dflash (random)", r_spec, drafter, spec_plan, True)]
         if r_only != r_spec:
-            runs.append(("target-only autosized", r_only, None, only_plan))
-        for label, resident, dr, plan in runs:
-            model.set_expert_cache(resident, grouped)
+            runs.append(("target-only autosized", r_only, None, only_plan, True))
+        if dev == "cuda":
+            runs.append(("t-only @spec host-routed", r_spec, None, spec_plan, False))
+        for label, resident, dr, plan, device_path in runs:
+            cache = model.set_expert_cache(resident, grouped)
+            cache.device_path = cache.device_path and device_path
             decode(model, dcfg, dr, dkv, dev, a.prompt, 4, seed=1)  # warm-up: kernels, allocator, first uploads
+            syncs = decode(model, dcfg, dr, dkv, dev, a.prompt, 6, seed=3, count_syncs=True)["host_syncs_per_cycle"]
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             out = decode(model, dcfg, dr, dkv, dev, a.prompt, a.tokens, seed=2)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             row = {"fraction": frac, "run": label, "resident": resident, "plan_resident_spec": r_spec,
                    "plan_resident_target_only": r_only, "drafter_cost_experts": cost, "budget": budget,
-                   "plan_gib": plan.total / 2**30, "peak_gib": peak, **out}
+                   "plan_gib": plan.total / 2**30, "peak_gib": peak, "host_syncs_per_cycle": syncs, **out}
             res["runs"].append(row)
-            print(f"{frac:>5.2f} {r_spec:>9} {r_only:>11} {cost:>7}  {label:<20}{resident:>9}{out['tokens_per_s']:>9.2f}"
-                  f"{out['hit_rate']:>9.3f}{out['uploads_per_token']:>8.1f}{plan.total / 2**30:>9.2f}{peak:>9.2f}")
+            print(f"{frac:>5.2f} {r_spec:>9} {r_only:>11} {cost:>7}  {label:<25}{resident:>9}{out['tokens_per_s']:>9.2f}"
+                  f"{out['hit_rate']:>9.3f}{out['misses_per_token']:>9.1f}{out['uploads_per_token']:>8.1f}{syncs:>7.1f}"
+                  f"{plan.total / 2**30:>9.2f}{peak:>9.2f}")
+    model.set_expert_cache(max(total // 4, len(cfg.moe_layers) * cfg.num_experts_per_tok), grouped)  # a device-path cache
     res["miss"] = miss_costs(model, dev)
     m = res["miss"]
     print(f"one miss: upload {m['upload_ms']:.3f} ms ({m['upload_gb_s']:.1f} GB/s) vs CPU compute "
-          f"{m['cpu_compute_1tok_ms']:.3f} ms (1 token) / {m['cpu_compute_16tok_ms']:.3f} ms (16 tokens)")
+          f"{m['cpu_compute_1tok_ms']:.3f} ms (1 token) / {m['cpu_compute_16tok_ms']:.3f} ms (16 tokens)"
+          + (f" vs read by the kernel from host memory {m['zero_copy_miss_ms']:.3f} ms ({m['zero_copy_gb_s']:.1f} GB/s)"
+             if "zero_copy_miss_ms" in m else ""))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -19,8 +19,12 @@ down, combine) and a decode or verify window can be captured in a CUDA graph.
   rounds (gate/up and down outputs in the storage dtype, then weight * row, then the sum).
 
 The expert weights are the cache's slots ([S, 2I, H] gate rows then up rows, [S, H, I]);
-`slot_of[e]` is expert e's slot (every routed expert must be resident). Imported only on
-CUDA paths, or by tests through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors.
+`slot_of[e]` is expert e's slot, or S when it has none: then the kernels read it from the
+pinned host stacks (mapped into the device's address space under unified addressing), the
+same bytes through the same code, so the result does not depend on residency. The gate/up
+launch tallies, per expert read, its tokens and one hit or one miss (atomics on int32).
+Imported only on CUDA paths, or by tests through Triton's interpreter (TRITON_INTERPRET=1)
+on CPU tensors.
 """
 
 from __future__ import annotations
