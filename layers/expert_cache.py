@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from draftflow.layers.moe import HostExperts
 
 HALF_LIFE_TOKENS = 64
-DEVICE_WINDOW_TOKENS = 64  # longest window the fused kernels serve (moe_kernels.FUSED_MAX_TOKENS)
+DEVICE_WINDOW_TOKENS = 64  # longest window the fused kernels serve in one token block (moe_kernels)
 _DECAY_PER_TOKEN = 0.5 ** (1 / HALF_LIFE_TOKENS)
 
 

@@ -35,10 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from draftflow.layers.expert_cache import DEVICE_WINDOW_TOKENS
 from draftflow.layers.triton_kernels import _round
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-FUSED_MAX_TOKENS = 64  # token rows one program holds at once; larger windows loop over blocks of this many
+FUSED_MAX_TOKENS = DEVICE_WINDOW_TOKENS  # token rows one program holds at once; longer windows loop over blocks
 
 
 @triton.jit

@@ -72,3 +72,19 @@ def test_graph_runner_windows_give_the_eager_greedy_tokens(loaded, resident):
     if resident:
         counts = cache.counters()
         assert counts["expert_misses"] > 0 and counts["expert_upload_bytes"] > 0  # read from the host, then promoted
+
+
+def test_runner_refuses_to_capture_host_routed_windows(loaded):
+    """A cache whose windows need the host (host-routed, or a partly resident one's batched windows past 64 tokens)
+    cannot be captured: one clear error; every expert resident on the device path can, at any batch."""
+    model, cfg = loaded.model, loaded.config
+    model.set_expert_cache(None).device_path = False
+    static = KVCache.from_static(torch.zeros(static_shape(cfg, 8, 64)))
+    with pytest.raises(ValueError, match="windows need the host"):
+        GraphRunner(model, static, max_window=4, capture=True)
+    model.set_expert_cache(10).device_path = True
+    assert model.expert_cache.capturable(8 * 8) and not model.expert_cache.capturable(8 * 9)
+    with pytest.raises(ValueError, match="windows need the host"):
+        GraphRunner(model, static, max_window=9, capture=True)
+    model.set_expert_cache(None).device_path = True
+    assert model.expert_cache.capturable(8 * 9)
