@@ -205,6 +205,8 @@ def expert_pool_vram(cfg: TargetConfig, dtype: torch.dtype, pinned: int, window:
         raise ModelFormatError(f"param expert_cache is {pinned}; expected 0 (autosize) or a positive count of experts")
     per = bytes_per_expert(cfg, dtype)
     pool = ExpertPool(per, total_experts(cfg), min_resident(len(cfg.moe_layers), cfg.num_experts_per_tok), pinned or None)
-    # Per window token: k rows of gate/up/activation and k output rows, plus routing.
+    # Per window token: k rows of gate/up/activation and k output rows, plus routing; the device path's tally
+    # (int32 tokens per expert, hits and misses, per MoE layer).
     rows = window * cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + 2 * cfg.hidden_size)
-    return pool, per * pool.total, rows * dtype.itemsize
+    tally = len(cfg.moe_layers) * (cfg.num_experts + 2) * 4
+    return pool, per * pool.total, rows * dtype.itemsize + tally
