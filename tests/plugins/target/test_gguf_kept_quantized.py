@@ -50,9 +50,10 @@ def mixed_gguf(tmp_path_factory):
     return root / "q.gguf"
 
 
-def greedy(model, cfg, device, steps: int, runner: bool = False) -> tuple[list[int], torch.Tensor]:
+def greedy(model, cfg, device, steps: int, runner: bool = False,
+           forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens after PROMPT (prefill eager, then one-token windows eager or through a GraphRunner) and the
-    prompt's last logits."""
+    logits that chose them [steps, V]; `forced`: feed these tokens instead of the argmax (teacher forcing)."""
     cache = KVCache.from_static(torch.zeros(static_shape(cfg, 1, 64), dtype=model.embed_tokens.weight.dtype,
                                             device=device))
     prompt = PROMPT.to(device)
@@ -60,15 +61,17 @@ def greedy(model, cfg, device, steps: int, runner: bool = False) -> tuple[list[i
         logits, _ = model(prompt, 0, cache)
         cache.commit(prompt.shape[1])
         step = GraphRunner(model, cache, 1, capture=CUDA, compiled=CUDA) if runner else None
-        tokens, last = [int(logits[0, -1].argmax())], logits[0, -1].float().clone()
-        for pos in range(prompt.shape[1], prompt.shape[1] + steps - 1):
+        tokens, seen = [int(logits[0, -1].argmax())], [logits[0, -1].float().clone()]
+        for i, pos in enumerate(range(prompt.shape[1], prompt.shape[1] + steps - 1)):
+            fed = tokens[-1] if forced is None else forced[i]
             if step is not None:
-                out, _ = step(tokens[-1], None, pos)
+                out, _ = step(fed, None, pos)
             else:
-                out, _ = model(torch.tensor([[tokens[-1]]], device=device), pos, cache)
+                out, _ = model(torch.tensor([[fed]], device=device), pos, cache)
             cache.commit(pos + 1)
             tokens.append(int(out[0, -1].argmax()))
-    return tokens, last
+            seen.append(out[0, -1].float().clone())
+    return tokens, torch.stack(seen)
 
 
 def test_covered_projections_stay_as_file_bytes(mixed_gguf):
@@ -92,6 +95,7 @@ def test_kept_quantized_equals_dequantized_at_load(mixed_gguf):
     plain = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=False)
     want_tokens, want = greedy(plain.model, plain.config, "cpu", 4)
     got_tokens, got = greedy(kept.model, kept.config, "cpu", 4)
+    assert (got[0] - want[0]).abs().max() <= 1e-4 * want[0].abs().max()  # the prompt (dequantize + matmul path)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     assert got_tokens == want_tokens
     assert greedy(kept.model, kept.config, "cpu", 3, runner=True)[0] == want_tokens[:3]
@@ -113,6 +117,26 @@ def test_q8_0_llama_rows_and_qwen2_biases(hf_dir, tmp_path, arch, kwargs):
     want = plain.model(tokens, 0, KVCache.growing(plain.config, 1, 8, torch.float32, "cpu"))[0]
     got = kept.model(tokens, 0, KVCache.growing(kept.config, 1, 8, torch.float32, "cpu"))[0]
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_moe_target_keeps_attention_and_dense_mlp_quantized(tmp_path):
+    """qwen3moe Q8_0: attention and the dense layer's MLP stay quantized, routed experts go to the host as float;
+    logits equal the dequantized target's to rounding."""
+    from moe_testlib import build_hf_moe, save_hf_moe
+
+    path = save_hf_moe(build_hf_moe(layers=2, mlp_only_layers=(1,)), tmp_path / "hf")
+    convert_hf_to_gguf(path, tmp_path / "m.gguf", "q8_0")
+    kept = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=True)
+    plain = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=False)
+    layers = kept.model.layers
+    assert layers[0].self_attn.o_proj.qtype == "Q8_0" and layers[1].mlp.down_proj.qtype == "Q8_0"
+    assert torch.equal(kept.model.host_experts.down, plain.model.host_experts.down)
+    tokens = torch.tensor([[3, 9, 27, 11]])
+    logits = []
+    for loaded in (kept, plain):
+        loaded.model.set_expert_cache(None)
+        logits.append(loaded.model(tokens, 0, KVCache.growing(loaded.config, 1, 8, torch.float32, "cpu"))[0])
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
 
 
 def _params(path, **over) -> dict:
@@ -157,11 +181,10 @@ def test_cuda_kept_quantized_generates_like_dequantized(mixed_gguf, dtype):
     plain = load_gguf(mixed_gguf, "cuda", dtype, quantized=False)
     assert isinstance(kept.model.layers[0].self_attn.q_proj, QuantLinear)
     want_tokens, want = greedy(plain.model, plain.config, "cuda", 12)
-    got_tokens, got = greedy(kept.model, kept.config, "cuda", 12)
-    graph_tokens, _ = greedy(kept.model, kept.config, "cuda", 12, runner=True)
+    got_tokens, got = greedy(kept.model, kept.config, "cuda", 12, forced=want_tokens)
+    graph_tokens, graph = greedy(kept.model, kept.config, "cuda", 12, runner=True, forced=want_tokens)
     rtol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (got - want).abs().max() <= rtol * want.abs().max()
-    if dtype == torch.float32:
+    assert (graph - want).abs().max() <= rtol * want.abs().max()
+    if dtype == torch.float32:  # teacher-forced on the dequantized target's tokens, each step picks the same token
         assert got_tokens == want_tokens and graph_tokens == want_tokens
-    else:
-        assert graph_tokens == got_tokens  # graphs replay the eager kernels
