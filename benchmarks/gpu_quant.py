@@ -155,7 +155,6 @@ def projections(cfg, a, totals: dict) -> dict:
             x = torch.randn(m, k, device=gt.DEV, dtype=torch.bfloat16)
             ms = gt.cuda_ms(lambda: F.linear(x, w), reps, a.rounds)
             row[f"bf16 cuBLAS m={m}"] = {"us": ms * 1e3, "GBps": w.nbytes / ms / 1e6}
-        del w
         for qtype in ("Q8_0", "Q6_K", "Q4_K"):
             blocks = random_blocks(qtype, n, k, gen)
             for m in (1, 16):
@@ -177,7 +176,6 @@ def projections(cfg, a, totals: dict) -> dict:
                         best = cell
                 if len(tiles) > 1:
                     row[f"{qtype} GEMV m={m} best tile"] = best
-            del blocks
     return out
 
 
