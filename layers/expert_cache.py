@@ -35,7 +35,7 @@ pinned host memory (mapped into the device's address space: zero-copy, same weig
 same kernel, so numerics still do not depend on residency). The kernels count tokens per
 expert, hits and misses on the device; the counts reach pinned memory after each window
 and `rebalance` (between windows, outside any graph, no sync) folds them into the scores
-and uploads the experts that now out-score a resident one. Windows longer than
+and uploads an expert that now clearly out-scores a resident one. Windows longer than
 `DEVICE_WINDOW_TOKENS` (prefill chunks) take the host-routed path above. A device whose
 kernels cannot read pinned host memory (probed once) keeps the host-routed path.
 """
@@ -51,6 +51,11 @@ from draftflow.layers.moe import HostExperts
 
 HALF_LIFE_TOKENS = 64
 DEVICE_WINDOW_TOKENS = 64  # longest window the fused kernels serve in one token block (moe_kernels)
+# Device path promotions, per layer and `rebalance`: an upload shares the bus with the misses the kernels read,
+# so at most one, and only for an expert that out-scores the evicted one by a token's worth (no ping-pong
+# between near-equal experts; under near-uniform routing no policy wins, so promotions stay rare there).
+PROMOTE_PER_LAYER = 1
+PROMOTE_MARGIN = 1.0
 _DECAY_PER_TOKEN = 0.5 ** (1 / HALF_LIFE_TOKENS)
 
 
@@ -249,14 +254,14 @@ class LayerExperts:
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
     def promote(self, candidates: list[int], counts: list[int]) -> None:
-        """Upload the best-scoring `candidates` (routed, not resident) into the slots of lower-scoring resident
-        experts not routed in `counts`; at most top-k per call, since uploads share the bus with the window's reads."""
+        """Upload the best-scoring `candidates` (routed, not resident) into the slots of resident experts not routed
+        in `counts` that score at least PROMOTE_MARGIN lower; at most PROMOTE_PER_LAYER per call."""
         score = self.score
-        best = sorted(candidates, key=lambda e: (-score[e], e))[:self.cache.top_k]
+        best = sorted(candidates, key=lambda e: (-score[e], e))[:PROMOTE_PER_LAYER]
         victims = sorted((s for s in range(self.size) if not counts[self.expert_in[s]]),
                          key=lambda s: (score[self.expert_in[s]], self.expert_in[s]))
         for expert, slot in zip(best, victims):
-            if score[expert] <= score[self.expert_in[slot]]:
+            if score[expert] < score[self.expert_in[slot]] + PROMOTE_MARGIN:
                 break
             self._place(expert, slot)
             self.cache.upload_bytes += self.cache.bytes_per_expert
