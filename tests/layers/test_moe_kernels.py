@@ -58,15 +58,17 @@ def _both(block: SparseMoeBlock, cache: ExpertCache, x: torch.Tensor) -> tuple[t
     return want, block(x)
 
 
+@pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("top_k", [2, 8])
 @pytest.mark.parametrize("tokens", [1, 4, 16, 33])
-def test_fused_block_matches_the_expert_cache_path(tokens, top_k):
-    """Decode and verify windows (repeated experts across tokens) give the grouped path's output, float32 1e-5."""
-    block, cache = _block(16, top_k, norm=True, seed=tokens + top_k)
+def test_fused_block_matches_the_expert_cache_path(tokens, top_k, norm):
+    """Decode and verify windows (repeated experts across tokens; routing weights renormalised or the raw top-k
+    probabilities) give the grouped path's output, float32 1e-5."""
+    block, cache = _block(16, top_k, norm=norm, seed=tokens + top_k)
     x = torch.randn(1, tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens), device="cpu").to(DEVICE)
     want, got = _both(block, cache, x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    ids = route(block.gate(x.reshape(-1, HIDDEN)), top_k, True, torch.float32)[1]
+    ids = route(block.gate(x.reshape(-1, HIDDEN)), top_k, norm, torch.float32)[1]
     # The kernels count each distinct expert once per window (every one a hit: all resident) and its tokens.
     tally = cache.tally[0].cpu()
     assert tally[-2:].tolist() == [ids.unique().numel(), 0]
@@ -86,8 +88,8 @@ def test_route_topk_matches_route(norm):
         torch.testing.assert_close(got_w.sum(-1), torch.ones(7, device=DEVICE))
 
 
-def test_unnormalised_weights_and_shared_expert():
-    """norm_topk_prob false (raw top-k probabilities) and a shared expert: still the grouped path's output."""
+def test_shared_expert_and_a_batch_of_rows():
+    """A shared expert (Qwen3-Next) and a [2, 3] batch of windows, raw top-k weights: still the grouped path's output."""
     block, cache = _block(8, 2, norm=False, seed=5, shared=48)
     x = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     want, got = _both(block, cache, x)
