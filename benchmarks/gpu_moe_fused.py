@@ -175,7 +175,7 @@ def main() -> None:
         # Eager windows: the device path (no host sync) and the host-routed expert cache (one sync per MoE layer).
         eager = {}
         for device_path in (True, False):
-            cache.device_path = device_path or dev == "cpu"
+            cache.device_path = device_path
             name = "device" if device_path else "host_routed"
             for width, d in ((1, None), (w, drafts[0])):
                 window = torch.cat([torch.full((1, 1), 7, device=dev)] + ([d] if d is not None else []), dim=1)
