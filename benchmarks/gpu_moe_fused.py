@@ -165,13 +165,21 @@ def main() -> None:
             runner(7, d, START)  # capture (first use)
             steps[width] = gt.cuda_ms(lambda d=d: runner(7, d, START), reps=reps, rounds=rounds)
         one, win = steps[1], steps[w]
+        same = torch.full((1, w - 1), 7, dtype=torch.long, device=dev)  # every token alike: routing alike
+        same_ms = gt.cuda_ms(lambda: runner(7, same, START), reps=reps, rounds=rounds)
         step_experts = distinct_experts(model, lambda: runner(7, None, START), layers)
+        timed_experts = distinct_experts(model, lambda: runner(7, drafts[0], START), layers)
         window_experts = sum(distinct_experts(model, lambda d=d: runner(7, d, START), layers) for d in drafts) / len(drafts)
-        window_bytes = dense + layers * window_experts * per
+        same_experts = distinct_experts(model, lambda: runner(7, same, START), layers)
+        window_floor_ms = (dense + layers * timed_experts * per) / (bw * 1e12) * 1e3
         res["graph"] = {"step_ms": one, "step_tok_s": 1e3 / one, "step_of_floor": res["floor"]["floor_ms"] / one,
                         "step_distinct_experts": step_experts, f"window{w}_ms": win, "window_over_step": win / one,
-                        "window_distinct_experts": window_experts, "window_floor_ms": window_bytes / (bw * 1e12) * 1e3,
-                        "window_of_its_floor": window_bytes / (bw * 1e12) * 1e3 / win}
+                        "window_distinct_experts": timed_experts, "window_floor_ms": window_floor_ms,
+                        "window_of_its_floor": window_floor_ms / win,
+                        "random_windows_distinct_experts_mean": window_experts,
+                        "same_token_window_ms": same_ms, "same_token_window_distinct_experts": same_experts,
+                        "host_syncs_step": host_syncs(lambda: runner(7, None, START)),
+                        "host_syncs_window": host_syncs(lambda: runner(7, drafts[0], START))}
         # Eager windows: the device path (no host sync) and the host-routed expert cache (one sync per MoE layer).
         eager = {}
         for device_path in (True, False):
@@ -193,15 +201,18 @@ def main() -> None:
           f"experts of {per / 2**20:.2f} MiB, top-{k}; copy {bw:.2f} TB/s")
     print(f"{'':34}{'ms':>9}{'tok/s':>9}{'floor ms':>10}{'of floor':>9}{'experts/layer':>14}{'host syncs':>11}")
     print(f"{'1-token step, CUDA graph':34}{one:>9.3f}{1e3 / one:>9.1f}{f['floor_ms']:>10.3f}{g['step_of_floor']:>9.1%}"
-          f"{step_experts:>14.1f}{0:>11}")
+          f"{step_experts:>14.1f}{g['host_syncs_step']:>11}")
     print(f"{f'{w}-token window, CUDA graph':34}{win:>9.3f}{w * 1e3 / win:>9.1f}{g['window_floor_ms']:>10.3f}"
-          f"{g['window_of_its_floor']:>9.1%}{window_experts:>14.1f}{0:>11}")
+          f"{g['window_of_its_floor']:>9.1%}{timed_experts:>14.1f}{g['host_syncs_window']:>11}")
+    print(f"{f'{w}-token window of one token, graph':34}{same_ms:>9.3f}{w * 1e3 / same_ms:>9.1f}{'':>10}{'':>9}"
+          f"{same_experts:>14.1f}")
     for name in ("device", "host_routed"):
         for width in (1, w):
             ms = eager[f"{name}_w{width}_ms"]
             print(f"{f'{width}-token, eager, {name}':34}{ms:>9.3f}{width * 1e3 / ms:>9.1f}{'':>10}{'':>9}{'':>14}"
                   f"{eager[f'{name}_w{width}_host_syncs']:>11}")
-    print(f"{w}-token window / 1-token step (graphs): {g['window_over_step']:.2f}x")
+    print(f"{w}-token window / 1-token step (graphs): {g['window_over_step']:.2f}x; distinct experts per layer over "
+          f"{len(drafts)} random windows: {window_experts:.1f} (a window of one repeated token: {same_experts:.1f})")
     for row in res["layer_alone"]:
         sweep = ", ".join(f"{name} {t * 1e3:.0f}" for name, t in row["experts_ms"].items())
         print(f"one MoE layer, {row['tokens']:>2} tokens, {row['distinct_experts']:.0f} experts: block "
