@@ -1,8 +1,8 @@
 """The fused MoE kernels (routing on the device, experts grouped by expert) compute what the expert cache's path does.
 
 Run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton loads),
-at tiny shapes, float32 with a tight tolerance; tests/plugins/target/test_moe_cuda.py pins
-the same kernels on the GPU.
+at tiny shapes, float32 with a tight tolerance; with CUDA the same tests run compiled on the
+GPU, and tests/plugins/target/test_moe_cuda.py adds bf16 and larger shapes.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def _block(experts: int, top_k: int, norm: bool, seed: int, shared: int = 0) -> 
     gate_up = torch.randn(1, experts, 2 * WIDTH, HIDDEN, generator=gen) / HIDDEN ** 0.5
     down = torch.randn(1, experts, HIDDEN, WIDTH, generator=gen) / WIDTH ** 0.5
     block = block.to(DEVICE)
+    if DEVICE == "cuda":  # the partly resident cache's kernels read misses from pinned host memory
+        gate_up, down = gate_up.pin_memory(), down.pin_memory()
     cache = ExpertCache(HostExperts((0,), gate_up, down), None, top_k, DEVICE)
     cache.attach([block])
     return block, cache
