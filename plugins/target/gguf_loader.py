@@ -184,10 +184,11 @@ def _warn_dequantized(tensors, stay, dtype: torch.dtype, source: str, keep: bool
     elif tp_size > 1:
         why = "a tensor-parallel target dequantizes at load (the kernels run on one rank)"
     else:
-        why = f"the target's `quantized: false` asks for that; true keeps {covered} projections quantized"
+        why = (f"the target's `quantized: false` (the default, faster today) asks for that; true keeps {covered} "
+               "projections quantized")
     text = dequantized_cost(tensors, dtype, source, why)
-    if text is not None:
-        log.warning(text)
+    if text is not None:  # the default's cost is information; a load that could not keep what it was asked to warns
+        (log.warning if keep or tp_size > 1 else log.info)(text)
 
 
 class _CheckedReader(GGUFReader):

@@ -69,9 +69,10 @@ PARAMS = (
     ParamSpec("linear_rollback", "str", "select", "hybrid targets: select = keep the recurrent state after every "
               "window position and pick one on commit; replay = journal the window and re-run the accepted steps",
               choices=("select", "replay")),
-    ParamSpec("quantized", "bool", True, "GGUF targets on CUDA: keep the attention and dense-MLP projections of "
-              "types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in their blocks (Triton kernels dequantize inside "
-              "the product; docs/GGUF.md); false: dequantize every weight at load. The CPU always dequantizes"),
+    ParamSpec("quantized", "bool", False, "GGUF targets on CUDA: true keeps the attention and dense-MLP projections "
+              "of types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in their blocks (Triton kernels dequantize "
+              "inside the product: less memory, but on the H200 decode is still 2-3x slower than the dequantized "
+              "weights; docs/GGUF.md); false (default): dequantize every weight at load. The CPU always dequantizes"),
     ParamSpec("expert_cache", "int", 0, "MoE targets: routed experts kept resident on the device (0 = autosize from "
               "what vram_budget leaves); pin it so target-only and speculative runs get the same cache (docs/MOE.md)", minimum=0),
 )

@@ -149,8 +149,8 @@ def test_vram_plan_counts_the_bytes_the_target_holds(mixed_gguf):
     env = Env("cuda", "float32", 0, 256)
     kept = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True)
     held = sum(t.nbytes for name, t in kept.model.state_dict().items() if name != "inv_freq")
-    assert manifest(_params(mixed_gguf), env).vram.weights == held
-    plain = manifest(_params(mixed_gguf, quantized=False), env).vram.weights
+    assert manifest(_params(mixed_gguf, quantized=True), env).vram.weights == held
+    plain = manifest(_params(mixed_gguf), env).vram.weights  # the default: dequantized at load
     assert plain == manifest(_params(mixed_gguf), Env("cpu", "float32", 0, 256)).vram.weights > held
     line = weight_lines(str(mixed_gguf), torch.float32, keep=True)[0]
     assert line.startswith("weights of q.gguf: ") and "Q4_0, Q4_K, Q6_K, Q8_0 projections stay quantized on the GPU" \
@@ -169,7 +169,7 @@ def test_warning_names_what_the_kernels_do_not_cover(mixed_gguf):
                                        "256.00 KiB of bfloat16 on the GPU; the GPU kernels keep only Q8_0, Q4_0"), logs
 
 
-# --- CUDA: the default load keeps the projections quantized ------------------------------------
+# --- CUDA: the loader's default on CUDA keeps the projections quantized ------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
