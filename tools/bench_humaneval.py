@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from draftflow.core.errors import DraftflowError
 from draftflow.core.hookspecs import hookimpl
 from draftflow.core.node import SamplingParams
 from draftflow.core.session import Session
@@ -143,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --configs {' '.join(unknown)}: no such row; choose from {', '.join(configs)}", file=sys.stderr)
             return 2
         configs = {name: g for name, g in configs.items() if name in a.configs}
-    sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}
+    try:
+        sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}
+    except DraftflowError as exc:  # e.g. a --demo folder without one of the drafters a row needs
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     peers = _peers(demo, a.device, a.peer if a.peer is not None else a.device.startswith("cuda"))
     first = next(iter(sessions.values()))
     limit = first.executor.kv_tokens - a.max_new_tokens

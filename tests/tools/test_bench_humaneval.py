@@ -80,3 +80,16 @@ def test_unknown_config_name_is_one_line_and_exit_2(capsys):
     assert main(["--demo", str(DEMO), "--configs", "DFlash", "nope", "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --configs nope: no such row; choose from target only, "), err
+
+
+def test_a_demo_folder_missing_a_drafter_is_an_error_not_a_traceback(tmp_path, capsys):
+    """--demo without the MTP weights a row needs: the graph check's `error:` naming the node, exit 2, no traceback."""
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    for part in ("target", "dflash"):
+        (demo / part).symlink_to(DEMO / part)
+    (demo / "mtp").mkdir()
+    (demo / "mtp" / "config.json").write_text((DEMO / "mtp" / "config.json").read_text())
+    assert main(["--demo", str(demo), "--configs", "MTP", "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "node 'mtp'" in err and "Traceback" not in err, err
