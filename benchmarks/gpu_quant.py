@@ -1,6 +1,7 @@
 """GGUF weights kept quantized on one GPU at Qwen3-8B shapes: decode and verify against the weight-read floor.
 
     python benchmarks/gpu_quant.py --out DIR        # everything; DIR/results.json and a table (< 3 min on an H200)
+    python benchmarks/gpu_quant.py --quick --out DIR  # < 90 s: the projection table (no sweep), bf16 and q4_k_m decode
     python benchmarks/gpu_quant.py --tiny --out DIR # CPU smoke test through Triton's interpreter (measures nothing)
 
 Configurations (issue 20): BF16 (the dequantized path: cuBLAS), Q8_0, Q6_K and Q4_K_M for every
@@ -44,7 +45,7 @@ SCALES = {"Q8_0": ((0, 5e-4),), "Q4_0": ((0, 1e-2),), "Q4_1": ((0, 5e-3), (2, 4e
           "Q5_1": ((0, 3e-3), (2, 5e-2)), "Q4_K": ((0, 1e-4), (2, 1e-3)), "Q5_K": ((0, 5e-5), (2, 1e-3)),
           "Q6_K": ((208, 2e-5),)}
 SWEEP = ((2, 1), (4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))  # (BLOCK_N, warps) of the float32-FMA GEMV
-SWEEP_DOT = ((16, 2), (16, 4), (32, 4), (64, 4))  # of the tensor-core GEMV (16 rows)
+SWEEP_DOT = ((16, 4), (32, 4), (64, 4), (64, 8))  # of the tensor-core GEMV (16 rows)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -108,7 +109,7 @@ def measure(model, cfg, bw: float, a) -> dict:
     with torch.inference_mode():
         model(prompt[:, :start], 0, kv)
         kv.commit(start)
-        prefill_ms = gt.cuda_ms(lambda: model(prompt, 0, kv, logit_rows=1), 1, a.rounds)  # re-writes cells 0..511
+        prefill_ms = None if a.quick else gt.cuda_ms(lambda: model(prompt, 0, kv, logit_rows=1), 1, a.rounds)
     runner = GraphRunner(model, kv, 16, capture=gt.DEV == "cuda", compiled=gt.DEV == "cuda")
     w1 = time_window(runner, start, 1, a)
     w16 = time_window(runner, start, 16, a)
@@ -141,11 +142,13 @@ def projections(cfg, a, totals: dict) -> dict:
     """Per fused projection shape: cuBLAS bf16 vs our GEMV per type at 1 and 16 rows, GB/s of weight bytes read.
 
     `totals` gathers each swept tile's time summed over shapes and types: {(tensor cores?, tile): [us, count]}."""
-    from draftflow.layers.quant_kernels import DOT_MIN_ROWS, GEMV_TILES, gemv
+    from draftflow.layers.quant_gemv import DOT_MIN_ROWS, gemv, plan
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
+    from draftflow.layers.quant_linear import LAYOUT
+
     gen = torch.Generator(device=gt.DEV).manual_seed(5)
     reps, out = (50 if not a.tiny else 1), {}
     for name, (n, k) in shapes.items():
@@ -159,16 +162,18 @@ def projections(cfg, a, totals: dict) -> dict:
             blocks = random_blocks(qtype, n, k, gen)
             for m in (1, 16):
                 x = torch.randn(m, k, device=gt.DEV, dtype=torch.bfloat16)
-                default = GEMV_TILES[m >= DOT_MIN_ROWS]
-                tiles = [default] if not a.tiny else [(None, None)]  # tiny: the interpreter's tile
+                bn, warps, split = plan(m, n, qtype, blocks.shape[1] // LAYOUT[qtype][1], x.device)
+                default = (bn, warps)
+                tiles = [default]
                 if a.sweep and not a.tiny and time.monotonic() - a.t0 < a.sweep_until_s:
                     tiles += [t for t in (SWEEP_DOT if m >= DOT_MIN_ROWS else SWEEP) if t != default]
                 best = None
                 for bn, warps in tiles:
-                    kw = {} if bn is None else {"block_n": bn, "num_warps": warps}
+                    kw = {"block_n": bn, "num_warps": warps}
                     ms = gt.cuda_ms(lambda: gemv(x, blocks, qtype, **kw), reps, a.rounds)
-                    cell = {"us": ms * 1e3, "GBps": blocks.nbytes / ms / 1e6, "block_n": bn, "warps": warps}
-                    if bn is None or (bn, warps) == default:
+                    cell = {"us": ms * 1e3, "GBps": blocks.nbytes / ms / 1e6, "block_n": bn, "warps": warps,
+                            "split": split}
+                    if (bn, warps) == default:
                         row[f"{qtype} GEMV m={m}"] = cell
                     total = totals.setdefault((m >= DOT_MIN_ROWS, (bn, warps)), [0.0, 0])
                     total[0], total[1] = total[0] + cell["us"], total[1] + 1
@@ -192,7 +197,8 @@ def table(res: dict) -> str:
             lines.append(f"{name} with the sweep's best GEMV tiles {r['tiles']}:")
         lines.append(f"{name[:8]:<8} {r['weight_bytes_read'] / 1e9:>8.2f} {r['floor_ms']:>9.3f} {r['w1_ms']:>9.3f} "
                      f"{r['tok_s']:>7.1f} {r['pct_of_floor']:>7.1f}% {r['w16_ms']:>10.3f} {r['w16_over_w1']:>6.2f} "
-                     f"{r['prefill_512_ms']:>14.2f} {'-' if err is None else f'{err:.1e}':>9}")
+                     f"{'-' if r['prefill_512_ms'] is None else format(r['prefill_512_ms'], '.2f'):>14} "
+                     f"{'-' if err is None else f'{err:.1e}':>9}")
     bf16 = res.get("configs", {}).get("bf16", {}).get("tok_s")
     if bf16:
         lines.append("decode speed-up over bf16: " + ", ".join(
@@ -204,7 +210,8 @@ def table(res: dict) -> str:
         lines.append("")
         lines.append(f"{shape}:")
         lines += [f"  {k:<24} {v['us']:>9.1f} us {v['GBps']:>8.0f} GB/s"
-                  + (f"  (BLOCK_N {v['block_n']}, {v['warps']} warps)" if v.get("block_n") else "") for k, v in row.items()]
+                  + (f"  (BLOCK_N {v['block_n']}, {v['warps']} warps, split {v.get('split')})" if v.get("block_n") else "")
+                  for k, v in row.items()]
     return "\n".join(lines)
 
 
@@ -212,7 +219,7 @@ def run(a) -> dict:
     from draftflow.core.tracing import configure_logging
     from draftflow.layers.config import TargetConfig
 
-    from draftflow.layers import quant_kernels as qk
+    from draftflow.layers import quant_gemv as qk
 
     gt.DEV = "cpu" if a.tiny else "cuda"
     configure_logging(verbose=False)
@@ -247,7 +254,7 @@ def run(a) -> dict:
 
 def best_tiles(totals: dict) -> dict:
     """Per GEMV path, the tile with the least total time among those measured on every shape and type."""
-    from draftflow.layers import quant_kernels as qk
+    from draftflow.layers import quant_gemv as qk
 
     tiles = dict(qk.GEMV_TILES)
     for dot in (False, True):
@@ -268,7 +275,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is kept)")
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the GEMV tile sweep")
     p.add_argument("--sweep-until-s", type=float, default=75, help="skip the sweep's remaining shapes past this time")
+    p.add_argument("--quick", action="store_true", help="< 90 s on an H200: the projection table without the sweep, "
+                   "then bf16 and q4_k_m decode (1- and 16-token windows; no prefill)")
     a = p.parse_args()
+    if a.quick:
+        a.sweep, a.rounds, a.reps = False, 3, 30
+        if a.configs == ",".join(CONFIGS):
+            a.configs = "bf16,q4_k_m"
     if a.tiny:
         a.rounds = 1
     res = run(a)

@@ -6,12 +6,12 @@ A weight [N, K] is stored as the file stores it: row n is K/BS blocks of BB byte
 one scale per row) into float32 registers, exactly as gguf-py's numpy dequantizer computes
 it (`d * q`, `(d * sc) * q - dmin * m`, ...), and never writes it to memory:
 
-- `gemv` (decode and verify windows, M <= GEMV_MAX_ROWS rows): one program per BLOCK_N
-  output features walks the whole row, so every weight byte is read once for all M rows.
-  Up to DOT_MIN_ROWS - 1 rows the products are float32 multiply-adds; from DOT_MIN_ROWS
-  rows a tensor-core `tl.dot` per part (bfloat16 weights rounded as a dequantized-at-load
-  bfloat16 model holds them; float32 models multiply in IEEE float32). Accumulation is
-  float32 in both.
+- `gemv` (decode and verify windows, M <= GEMV_MAX_ROWS rows; `quant_gemv`): split-K, one
+  program per BLOCK_N output features and a range of the row's blocks, every weight byte read
+  once for all M rows. Up to quant_gemv.DOT_MIN_ROWS - 1 rows the products are float32
+  multiply-adds; from DOT_MIN_ROWS rows a tensor-core `tl.dot` per part (bfloat16 weights rounded
+  as a dequantized-at-load bfloat16 model holds them; float32 models multiply in IEEE float32).
+  Accumulation is float32 in both.
 - larger M (prefill): `dequantize` writes the weight in the activation dtype to a scratch
   tensor (torch's caching allocator reuses it) and torch.matmul (cuBLAS) multiplies. At
   prefill sizes the product is compute-bound, so the extra write and read of the scratch
@@ -46,11 +46,6 @@ from draftflow.layers.quant_linear import LAYOUT, QTYPES
 from draftflow.layers.triton_kernels import _round
 
 GEMV_MAX_ROWS = 64  # rows (tokens of all batch rows) that take the GEMV; more: dequantize + cuBLAS
-DOT_MIN_ROWS = 5  # from this many rows the GEMV multiplies on tensor cores
-# (output features per program, warps) without and with tl.dot (which needs >= 16 features). Small tiles give
-# many programs, so even the 4096-row o/down projections keep enough loads in flight; benchmarks/gpu_quant.py
-# sweeps the alternatives at the 8B shapes.
-GEMV_TILES = {False: (8, 2), True: (16, 4)}
 _CODE = {name: i for i, name in enumerate(QTYPES)}  # the kernels' QTYPE constant
 # Triton's CPU interpreter truncates float32 -> bfloat16 and mis-multiplies bfloat16 it converted itself, so there
 # the kernels round on the bits (as the GPU's round-to-nearest-even does) and multiply the rounded values in float32.
@@ -128,49 +123,6 @@ def _part(blk, S: tl.constexpr, lanes, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, row_bytes, n_blocks, stride_xm, stride_om,
-    QTYPE: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr, P: tl.constexpr, NPART: tl.constexpr,
-    UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
-    NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
-):
-    # x: [M, K] (unit column stride); w: [N, row_bytes] uint8; out: [M, N] (unit column stride); one program per
-    # BLOCK_N output features over the whole row. Rows past N read row N-1 (no masks on the weight) and are not stored.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    safe = tl.minimum(rows, N - 1)
-    wrow = w_ptr + safe.to(tl.int64)[:, None] * row_bytes  # [BN, 1]
-    ms = tl.arange(0, BLOCK_M)
-    live = ms[:, None] < M
-    xrow = x_ptr + ms[:, None] * stride_xm  # [BM, 1]
-    lanes = tl.arange(0, P)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if not USE_DOT:  # multiply-adds into per-lane partial sums, reduced once at the end
-        lanes_acc = tl.zeros([BLOCK_M, BLOCK_N, P], dtype=tl.float32)
-    for i in range(0, n_blocks, UNROLL):
-        for u in tl.static_range(UNROLL):
-            blk = wrow + (i + u) * BB
-            for s in tl.static_range(NPART):
-                w = _part(blk, s, lanes, QTYPE)  # [BN, P] float32
-                x = tl.load(xrow + ((i + u) * BS + s * P) + lanes[None, :], mask=live, other=0.0)  # [BM, P]
-                if USE_DOT:
-                    if IEEE:  # float32 activations: IEEE float32 products, as a float32 model's matmul
-                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                    elif NATIVE:  # 16-bit activations: the weight rounded as a dequantized 16-bit model holds it
-                        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-                    else:  # (interpreter) the same products in float32
-                        acc += tl.dot(x.to(tl.float32), tl.trans(_round(w, True)), input_precision="ieee")
-                else:
-                    lanes_acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(lanes_acc, axis=2)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + safe).to(tl.float32)[None, :]
-    acc = _round(acc, OUT_BF16)
-    tl.store(out_ptr + ms[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=live & (rows[None, :] < N))
-
-
-@triton.jit
 def _dequant_kernel(
     w_ptr, out_ptr, N, K, row_bytes,
     QTYPE: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr, P: tl.constexpr, NPART: tl.constexpr,
@@ -195,7 +147,7 @@ def _meta(qtype: str, n_blocks: int) -> dict:
     block, size = LAYOUT[qtype]
     p, parts = PARTS[qtype]
     # Several blocks per loop iteration (as many as divide the row): more independent loads in flight per program
-    unroll = next(u for u in ((8, 4, 2, 1) if block == 32 else (2, 1)) if n_blocks % u == 0)
+    unroll = next(u for u in ((8, 4, 2, 1) if block == 32 else (4, 2, 1)) if n_blocks % u == 0)
     return dict(QTYPE=_CODE[qtype], BS=block, BB=size, P=p, NPART=parts, UNROLL=unroll)
 
 
@@ -210,33 +162,12 @@ def _check(blocks: torch.Tensor, qtype: str, in_features: int) -> int:
     return in_features // block
 
 
-def gemv(
-    x: torch.Tensor,  # [M, K], unit column stride
-    blocks: torch.Tensor,  # [N, K/BS*BB] uint8
-    qtype: str,
-    bias: torch.Tensor | None = None,  # [N]
-    out: torch.Tensor | None = None,  # [M, N], unit column stride (a column slice of a wider output is fine)
-    block_n: int | None = None,  # None: GEMV_TILES (the interpreter: 256, it pays per program)
-    num_warps: int | None = None,
-) -> torch.Tensor:  # [M, N] in x.dtype
-    """x @ W^T reading every weight byte once for all M rows (M <= GEMV_MAX_ROWS)."""
-    m, k = x.shape
-    n_blocks = _check(blocks, qtype, k)
-    n = blocks.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    use_dot = m >= DOT_MIN_ROWS
-    tile_n, warps = GEMV_TILES[use_dot]
-    block_n = block_n or (256 if _INTERPRETED else tile_n)
-    num_warps = num_warps or warps
-    block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, blocks, bias if bias is not None else x, out, m, n, blocks.stride(0), n_blocks, x.stride(0), out.stride(0),
-        **_meta(qtype, n_blocks), BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
-        IEEE=x.dtype == torch.float32, NATIVE=not _INTERPRETED, HAS_BIAS=bias is not None,
-        OUT_BF16=out.dtype == torch.bfloat16, num_warps=num_warps,
-    )
-    return out
+def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None, **tile) -> torch.Tensor:  # [M, N] in x.dtype
+    """x @ W^T reading every weight byte once for all M rows (M <= GEMV_MAX_ROWS): `quant_gemv.gemv`."""
+    from draftflow.layers.quant_gemv import gemv as split_k_gemv
+
+    return split_k_gemv(x, blocks, qtype, bias, out, **tile)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype,

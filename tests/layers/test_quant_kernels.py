@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from torch import nn  # noqa: E402
 
+from draftflow.layers import quant_gemv as qg  # noqa: E402
 from draftflow.layers import quant_kernels as qk  # noqa: E402
 from draftflow.layers.fused import fuse_projections, fused_linear  # noqa: E402
 from draftflow.layers.quant_linear import LAYOUT, QTYPES, QuantLinear  # noqa: E402
@@ -80,7 +81,28 @@ def test_gemv_rows_and_prefill_path_match_reference(qtype):
         x = torch.randn(m, k, generator=gen).to(DEV)
         assert_product(qk.quant_matmul(x, blocks, qtype, k), x, w)
         if m <= qk.GEMV_MAX_ROWS:  # the GPU's tile (the interpreter's default tile is wider)
-            assert_product(qk.gemv(x, blocks, qtype, block_n=qk.GEMV_TILES[m >= qk.DOT_MIN_ROWS][0]), x, w)
+            assert_product(qk.gemv(x, blocks, qtype, block_n=qg.GEMV_TILES[m >= qg.DOT_MIN_ROWS][0]), x, w)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_split_k_ranges_rows_and_slices(qtype):
+    """Split-K over rows of 6 Q8_0 / 5 K-quant blocks (ranges of unequal length; more ranges asked than the row has
+    steps) at 1, 4, 5, 16, 33 and 64 rows, bias added once, into a column slice of a wider bfloat16 output."""
+    n, k = 20, 6 * 32 if qtype == "Q8_0" else 5 * 256
+    data = weight_bytes(qtype, n, k, seed=21)
+    blocks, w = torch.from_numpy(data).to(DEV), reference(data, qtype).to(DEV)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(22)).to(DEV)
+    gen = torch.Generator().manual_seed(23)
+    unroll = qk._meta(qtype, k // qk.LAYOUT[qtype][0])["UNROLL"]
+    assert qg.split_ranges(k // qk.LAYOUT[qtype][0], unroll, 2)[1] == 2  # the row splits, unevenly
+    for m, split in ((1, 2), (4, 3), (5, 2), (16, 99), (33, 3), (64, 2)):
+        x = torch.randn(m, k, generator=gen).to(DEV)
+        assert_product(qg.gemv(x, blocks, qtype, bias, block_n=16, split_k=split), x, w, bias)
+    wide = torch.full((4, 3 * n), 7.0, dtype=torch.bfloat16, device=DEV)
+    xb = torch.randn(4, k, generator=gen).to(DEV).to(torch.bfloat16)
+    y = qg.gemv(xb, blocks, qtype, bias, out=wide[:, n:2 * n], block_n=16, split_k=3)
+    assert y.data_ptr() == wide[:, n:].data_ptr() and (wide[:, :n] == 7).all() and (wide[:, 2 * n:] == 7).all()
+    assert_product(y, xb.float(), w.to(torch.bfloat16).float(), bias, rtol=2e-2)
 
 
 def test_bias_batch_dims_and_bf16():
