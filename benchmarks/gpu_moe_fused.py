@@ -2,6 +2,11 @@
 
     python benchmarks/gpu_moe_fused.py --out DIR          # H200: ~62 GB of weights drawn on the GPU; < 3 min
     python benchmarks/gpu_moe_fused.py --tiny --out DIR   # a CPU dry run at toy shapes (Triton's interpreter)
+    python benchmarks/gpu_moe_fused.py --quick --out DIR  # < 40 s: step and window under graphs, few-token vs grouped
+
+--quick times only the graphs (the 1-token step with the few-token kernels and with the grouped
+ones, the 16-token window) and one layer's expert launches for 1 and 16 tokens per kernel
+choice, each captured in a CUDA graph (ten calls per graph: GPU time without launch overhead).
 
 Measured in one run: the device copy bandwidth and the weight-read floor it implies (every
 non-expert weight but the embedding, plus top-k experts per MoE layer for a 1-token step, or
@@ -86,11 +91,42 @@ def distinct_experts(model, run, layers: int) -> float:
 
 
 COLUMNS = ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64), (64, 128))  # (gate/up, down) columns per program
+# few-token kernels: (gate/up columns, K chunks, down columns); the default is small_config's pick
+SMALL = ((8, 4, 16), (16, 1, 16), (16, 4, 32), (32, 2, 16))
 
 
-def layer_alone(model, cfg, tokens: int, bw: float, reps: int) -> dict:
-    """One MoE layer on `tokens` random rows: the whole block (router GEMV, route_topk, fused experts) and the
-    expert launches alone for each block width of COLUMNS, against the bytes they read."""
+def graph_ms(fn, reps: int, rounds: int, calls: int = 10) -> float:
+    """GPU time of one `fn()`: `calls` calls captured in one CUDA graph and replayed (no launch overhead)."""
+    if gt.DEV == "cpu":
+        return gt.cuda_ms(fn, reps=reps, rounds=rounds)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiled and warm before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return gt.cuda_ms(graph.replay, reps=reps, rounds=rounds) / calls
+
+
+def reference(x, ids, weights, gate_up, down) -> torch.Tensor:
+    """The experts' weighted sum in float32, pair by pair (every expert resident: slot = expert)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t, j in ((t, j) for t in range(ids.shape[0]) for j in range(ids.shape[1])):
+        e = int(ids[t, j])
+        gate, up = (gate_up[e].float() @ x[t].float()).chunk(2)
+        out[t] += weights[t, j].float() * (down[e].float() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def layer_alone(model, cfg, tokens: int, bw: float, reps: int, quick: bool = False) -> dict:
+    """One MoE layer on `tokens` random rows: the whole block (router GEMV, route_topk, fused experts, eager) and the
+    expert launches alone per kernel choice (`auto`: what the model runs; `grouped`: the by-pair / by-expert kernels,
+    also per block width of COLUMNS; `small`: the few-token kernels per config of SMALL where the window fits), eager
+    and captured in a CUDA graph, against the bytes they read."""
+    from draftflow.layers import moe_kernels as mk
     from draftflow.layers.moe import SparseMoeBlock
     from draftflow.layers.moe_kernels import fused_experts, route_topk
 
@@ -106,26 +142,48 @@ def layer_alone(model, cfg, tokens: int, bw: float, reps: int) -> dict:
         weights, ids = route_topk(block.gate(flat), block.top_k, block.norm_topk_prob, DTYPE)
         slots = slice(layer.start, layer.start + layer.size)
         args = (flat, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], layer.slot_key, cache.tally[layer.row])
-        sweep = {}
-        for columns in (None,) + (() if gt.DEV == "cpu" else COLUMNS):
-            fused_experts(*args, columns=columns)
-            sweep[str(columns or "default")] = gt.cuda_ms(lambda c=columns: fused_experts(*args, columns=c), reps=reps,
-                                                          rounds=rounds)
+        counters = torch.zeros(mk.counter_size(cfg.hidden_size, cfg.moe_intermediate_size), dtype=torch.int32,
+                               device=gt.DEV)
+        fits = tokens * block.top_k <= mk.SMALL_MAX_PAIRS and tokens <= mk.SMALL_MAX_TOKENS
+        variants = {"default": {}, "grouped": dict(path="grouped")}
+        if fits:
+            variants["small"] = dict(path="small")
+            variants.update({f"small {c}": dict(path="small", small=c) for c in (() if gt.DEV == "cpu" else SMALL)})
+        if not quick and gt.DEV != "cpu":
+            variants.update({f"grouped {c}": dict(path="grouped", columns=c) for c in COLUMNS})
+        sweep, graphed, errors = {}, {}, {}
+        want = reference(*args[:5])
+        for name, kw in variants.items():
+            fn = lambda kw=kw: fused_experts(*args, counters=counters, **kw)  # noqa: E731
+            try:
+                err = ((fn().float() - want).abs().max() / want.abs().max()).item()  # vs the grouped kernels
+                if not quick:
+                    sweep[name] = gt.cuda_ms(fn, reps=reps, rounds=rounds)
+                graphed[name] = graph_ms(fn, reps=max(1, reps // 2), rounds=rounds)
+                errors[name] = err
+            except Exception as exc:  # noqa: BLE001 - one kernel choice failing must not lose the run's other numbers
+                errors[name] = f"{type(exc).__name__}: {exc}"[:300]
     read = experts * cache.bytes_per_expert
-    best = min(sweep, key=sweep.get)
-    gbps = {name: read / (t * 1e-3) / 1e12 for name, t in sweep.items()}
-    return {"tokens": tokens, "block_ms": ms, "distinct_experts": experts, "expert_read_GB": read / 1e9,
-            "experts_ms": sweep, "experts_TBps": gbps, "best_columns": best,
-            "best_of_copy_bw": gbps[best] / bw, "default_of_copy_bw": gbps["default"] / bw}
+    best = min(graphed, key=graphed.get)
+    gbps = {name: read / (t * 1e-3) / 1e12 for name, t in graphed.items()}
+    row = {"tokens": tokens, "block_ms": ms, "distinct_experts": experts, "expert_read_GB": read / 1e9,
+           "experts_graph_ms": graphed, "experts_graph_TBps": gbps, "max_rel_err_vs_float32": errors, "best": best,
+           "best_of_copy_bw": gbps[best] / bw, "default_of_copy_bw": gbps.get("default", 0.0) / bw}
+    if sweep:
+        row["experts_eager_ms"] = sweep
+    return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU through Triton's interpreter (a dry run)")
+    p.add_argument("--quick", action="store_true", help="graphs only: step (few-token vs grouped kernels), window, "
+                   "one layer's expert launches (< 40 s on an H200)")
     p.add_argument("--verify", type=int, default=16, help="tokens of the verify window")
     p.add_argument("--windows", type=int, default=8, help="random verify windows averaged for the distinct-expert count")
     p.add_argument("--out", required=True, help="folder for gpu_moe_fused.json")
     a = p.parse_args()
+    from draftflow.layers import moe_kernels as mk
     from draftflow.layers.config import TargetConfig, weight_bytes
     from draftflow.layers.kv_cache import KVCache, static_shape
     from draftflow.layers.moe import bytes_per_expert, total_experts
@@ -140,8 +198,8 @@ def main() -> None:
     n_windows = min(a.windows, 2) if a.tiny else a.windows
     layers, k, per = len(cfg.moe_layers), cfg.num_experts_per_tok, bytes_per_expert(cfg, DTYPE)
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter dry run)",
-           "torch": torch.__version__, "moe_layers": layers, "experts": cfg.num_experts, "top_k": k,
-           "bytes_per_expert": per}
+           "torch": torch.__version__, "mode": "quick" if a.quick else "full", "moe_layers": layers,
+           "experts": cfg.num_experts, "top_k": k, "bytes_per_expert": per}
     bw = gt.copy_bandwidth()  # TB/s, read + written
     dense = weight_bytes(cfg, DTYPE) - per * total_experts(cfg) - cfg.vocab_size * cfg.hidden_size * DTYPE.itemsize
     step_bytes = dense + layers * k * per  # the active weights of one token
@@ -165,59 +223,94 @@ def main() -> None:
             runner(7, d, START)  # capture (first use)
             steps[width] = gt.cuda_ms(lambda d=d: runner(7, d, START), reps=reps, rounds=rounds)
         one, win = steps[1], steps[w]
-        same = torch.full((1, w - 1), 7, dtype=torch.long, device=dev)  # every token alike: routing alike
-        same_ms = gt.cuda_ms(lambda: runner(7, same, START), reps=reps, rounds=rounds)
         step_experts = distinct_experts(model, lambda: runner(7, None, START), layers)
         timed_experts = distinct_experts(model, lambda: runner(7, drafts[0], START), layers)
-        window_experts = sum(distinct_experts(model, lambda d=d: runner(7, d, START), layers) for d in drafts) / len(drafts)
-        same_experts = distinct_experts(model, lambda: runner(7, same, START), layers)
         window_floor_ms = (dense + layers * timed_experts * per) / (bw * 1e12) * 1e3
         res["graph"] = {"step_ms": one, "step_tok_s": 1e3 / one, "step_of_floor": res["floor"]["floor_ms"] / one,
                         "step_distinct_experts": step_experts, f"window{w}_ms": win, "window_over_step": win / one,
                         "window_distinct_experts": timed_experts, "window_floor_ms": window_floor_ms,
                         "window_of_its_floor": window_floor_ms / win,
-                        "random_windows_distinct_experts_mean": window_experts,
-                        "same_token_window_ms": same_ms, "same_token_window_distinct_experts": same_experts,
                         "host_syncs_step": host_syncs(lambda: runner(7, None, START)),
                         "host_syncs_window": host_syncs(lambda: runner(7, drafts[0], START))}
-        # Eager windows: the device path (no host sync) and the host-routed expert cache (one sync per MoE layer).
-        eager = {}
-        for device_path in (True, False):
-            cache.device_path = device_path
-            name = "device" if device_path else "host_routed"
-            for width, d in ((1, None), (w, drafts[0])):
-                window = torch.cat([torch.full((1, 1), 7, device=dev)] + ([d] if d is not None else []), dim=1)
-                fn = lambda window=window: model(window, START, kv)  # noqa: E731
-                fn()
-                eager[f"{name}_w{width}_ms"] = gt.cuda_ms(fn, reps=max(1, reps // 4), rounds=min(rounds, 3))
-                eager[f"{name}_w{width}_host_syncs"] = host_syncs(fn)
-        cache.device_path = True
-        res["eager"] = eager
-        res["layer_alone"] = [layer_alone(model, cfg, t, bw, reps) for t in (1, w)]
+        g = res["graph"]
+        # The same 1-token step with the grouped kernels (the few-token ones switched off): a fresh runner, so a
+        # fresh capture
+        mk.FEW_TOKEN_KERNELS = False
+        try:
+            old_runner = GraphRunner(model, kv, max_window=w, capture=dev == "cuda")
+            old_runner(7, None, START)
+            g["step_grouped_kernels_ms"] = gt.cuda_ms(lambda: old_runner(7, None, START), reps=reps, rounds=rounds)
+            g["step_grouped_kernels_of_floor"] = res["floor"]["floor_ms"] / g["step_grouped_kernels_ms"]
+            del old_runner
+        except Exception as exc:  # noqa: BLE001 - the comparison is optional; keep the run's other numbers
+            g["step_grouped_kernels_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            mk.FEW_TOKEN_KERNELS = True
+        if not a.quick:
+            same = torch.full((1, w - 1), 7, dtype=torch.long, device=dev)  # every token alike: routing alike
+            g["same_token_window_ms"] = gt.cuda_ms(lambda: runner(7, same, START), reps=reps, rounds=rounds)
+            g["random_windows_distinct_experts_mean"] = sum(
+                distinct_experts(model, lambda d=d: runner(7, d, START), layers) for d in drafts) / len(drafts)
+            g["same_token_window_distinct_experts"] = distinct_experts(model, lambda: runner(7, same, START), layers)
+            # Eager windows: the device path (no host sync) and the host-routed expert cache (one sync per MoE layer).
+            eager = {}
+            for device_path in (True, False):
+                cache.device_path = device_path
+                name = "device" if device_path else "host_routed"
+                for width, d in ((1, None), (w, drafts[0])):
+                    window = torch.cat([torch.full((1, 1), 7, device=dev)] + ([d] if d is not None else []), dim=1)
+                    fn = lambda window=window: model(window, START, kv)  # noqa: E731
+                    fn()
+                    eager[f"{name}_w{width}_ms"] = gt.cuda_ms(fn, reps=max(1, reps // 4), rounds=min(rounds, 3))
+                    eager[f"{name}_w{width}_host_syncs"] = host_syncs(fn)
+            cache.device_path = True
+            res["eager"] = eager
+        res["layer_alone"] = [layer_alone(model, cfg, t, bw, reps, a.quick) for t in (1, w)]
     res["elapsed_s"] = time.monotonic() - began
     (out / "gpu_moe_fused.json").write_text(json.dumps(res, indent=1))
+    report(res, cfg, w, out)
+
+
+def report(res: dict, cfg, w: int, out: Path) -> None:
     f, g = res["floor"], res["graph"]
-    print(f"MoE, every expert resident: {res['device']}, torch {res['torch']}; {layers} MoE layers x {cfg.num_experts} "
-          f"experts of {per / 2**20:.2f} MiB, top-{k}; copy {bw:.2f} TB/s")
-    print(f"{'':34}{'ms':>9}{'tok/s':>9}{'floor ms':>10}{'of floor':>9}{'experts/layer':>14}{'host syncs':>11}")
-    print(f"{'1-token step, CUDA graph':34}{one:>9.3f}{1e3 / one:>9.1f}{f['floor_ms']:>10.3f}{g['step_of_floor']:>9.1%}"
-          f"{step_experts:>14.1f}{g['host_syncs_step']:>11}")
-    print(f"{f'{w}-token window, CUDA graph':34}{win:>9.3f}{w * 1e3 / win:>9.1f}{g['window_floor_ms']:>10.3f}"
-          f"{g['window_of_its_floor']:>9.1%}{timed_experts:>14.1f}{g['host_syncs_window']:>11}")
-    print(f"{f'{w}-token window of one token, graph':34}{same_ms:>9.3f}{w * 1e3 / same_ms:>9.1f}{'':>10}{'':>9}"
-          f"{same_experts:>14.1f}")
-    for name in ("device", "host_routed"):
+    one, win = g["step_ms"], g[f"window{w}_ms"]
+    print(f"MoE, every expert resident: {res['device']}, torch {res['torch']}; {res['moe_layers']} MoE layers x "
+          f"{cfg.num_experts} experts of {res['bytes_per_expert'] / 2**20:.2f} MiB, top-{res['top_k']}; copy "
+          f"{f['copy_TBps']:.2f} TB/s ({res['mode']} run)")
+    print(f"{'':40}{'ms':>9}{'tok/s':>9}{'floor ms':>10}{'of floor':>9}{'experts/layer':>14}{'host syncs':>11}")
+    print(f"{'1-token step, CUDA graph':40}{one:>9.3f}{1e3 / one:>9.1f}{f['floor_ms']:>10.3f}{g['step_of_floor']:>9.1%}"
+          f"{g['step_distinct_experts']:>14.1f}{g['host_syncs_step']:>11}")
+    if "step_grouped_kernels_ms" in g:
+        old = g["step_grouped_kernels_ms"]
+        print(f"{'1-token step, graph, grouped kernels':40}{old:>9.3f}{1e3 / old:>9.1f}{f['floor_ms']:>10.3f}"
+              f"{g['step_grouped_kernels_of_floor']:>9.1%}")
+    else:
+        print(f"1-token step with the grouped kernels failed: {g.get('step_grouped_kernels_error')}")
+    print(f"{f'{w}-token window, CUDA graph':40}{win:>9.3f}{w * 1e3 / win:>9.1f}{g['window_floor_ms']:>10.3f}"
+          f"{g['window_of_its_floor']:>9.1%}{g['window_distinct_experts']:>14.1f}{g['host_syncs_window']:>11}")
+    if "same_token_window_ms" in g:
+        same_ms = g["same_token_window_ms"]
+        print(f"{f'{w}-token window of one token, graph':40}{same_ms:>9.3f}{w * 1e3 / same_ms:>9.1f}{'':>10}{'':>9}"
+              f"{g['same_token_window_distinct_experts']:>14.1f}")
+    for name in ("device", "host_routed") if "eager" in res else ():
         for width in (1, w):
-            ms = eager[f"{name}_w{width}_ms"]
-            print(f"{f'{width}-token, eager, {name}':34}{ms:>9.3f}{width * 1e3 / ms:>9.1f}{'':>10}{'':>9}{'':>14}"
-                  f"{eager[f'{name}_w{width}_host_syncs']:>11}")
-    print(f"{w}-token window / 1-token step (graphs): {g['window_over_step']:.2f}x; distinct experts per layer over "
-          f"{len(drafts)} random windows: {window_experts:.1f} (a window of one repeated token: {same_experts:.1f})")
+            ms = res["eager"][f"{name}_w{width}_ms"]
+            print(f"{f'{width}-token, eager, {name}':40}{ms:>9.3f}{width * 1e3 / ms:>9.1f}{'':>10}{'':>9}{'':>14}"
+                  f"{res['eager'][f'{name}_w{width}_host_syncs']:>11}")
+    print(f"{w}-token window / 1-token step (graphs): {g['window_over_step']:.2f}x"
+          + (f"; distinct experts per layer over random windows: {g['random_windows_distinct_experts_mean']:.1f}"
+             if "random_windows_distinct_experts_mean" in g else ""))
     for row in res["layer_alone"]:
-        sweep = ", ".join(f"{name} {t * 1e3:.0f}" for name, t in row["experts_ms"].items())
-        print(f"one MoE layer, {row['tokens']:>2} tokens, {row['distinct_experts']:.0f} experts: block "
-              f"{row['block_ms'] * 1e3:.1f} us; expert launches by (gate/up, down) columns per program, us: {sweep}; "
-              f"default {row['default_of_copy_bw']:.0%} of copy bandwidth, best {row['best_columns']} "
+        print(f"one MoE layer, {row['tokens']:>2} tokens, {row['distinct_experts']:.0f} experts "
+              f"({row['expert_read_GB'] * 1e3:.0f} MB): block {row['block_ms'] * 1e3:.1f} us eager; expert launches "
+              f"in a CUDA graph (us, TB/s, max error / max of a float32 reference):")
+        for name, t in row["experts_graph_ms"].items():
+            print(f"    {name:24}{t * 1e3:>9.1f}{row['experts_graph_TBps'][name]:>7.2f}  "
+                  f"{row['max_rel_err_vs_float32'][name]:.1e}")
+        for name, err in row["max_rel_err_vs_float32"].items():
+            if isinstance(err, str):
+                print(f"    {name:24} failed: {err}")
+        print(f"    default {row['default_of_copy_bw']:.0%} of copy bandwidth, best {row['best']} "
               f"{row['best_of_copy_bw']:.0%}")
     print(f"elapsed {res['elapsed_s']:.0f} s; JSON: {out / 'gpu_moe_fused.json'}")
 

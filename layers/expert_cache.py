@@ -197,6 +197,7 @@ class LayerExperts:
         # The same map on the device (non-resident = size, sorting after every slot): a window whose
         # experts are all resident after its uploads groups its rows with no host-built index.
         self.slot_key = torch.tensor([s if s >= 0 else size for s in self.slot_of], device=cache.device)  # [E]
+        self.arrivals: torch.Tensor | None = None  # int32 zeros: the few-token kernels' arrival counters
 
     def compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over top-k of weight * expert(x) for every token of the window."""
@@ -225,12 +226,15 @@ class LayerExperts:
         elif n > DEVICE_WINDOW_TOKENS and _use_grouped_mm(x):
             out = self._grouped_device(x, ids, weights)
         else:
-            from draftflow.layers.moe_kernels import fused_experts
+            from draftflow.layers.moe_kernels import counter_size, fused_experts
 
             slots = slice(self.start, self.start + self.size)
             host = None if cache.all_resident else (cache.host.gate_up[self.row], cache.host.down[self.row])
+            if self.arrivals is None:  # first used eagerly (the graph warm-up runs before capture)
+                self.arrivals = torch.zeros(counter_size(x.shape[1], cache.slot_down.shape[2]), dtype=torch.int32,
+                                            device=x.device)
             out = fused_experts(x, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], self.slot_key,
-                                cache.tally[self.row], host)
+                                cache.tally[self.row], host, counters=self.arrivals)
         if self.row == len(cache.layers) - 1:
             cache.staged.copy_(cache.tally, non_blocking=True)  # for `rebalance`, after the window's last layer
         return out

@@ -150,3 +150,65 @@ def test_partial_residency_reads_misses_from_host_memory():
     assert [int(k) for k in layer.slot_key] == [s if s >= 0 else 6 for s in layer.slot_of]  # device map follows
     assert torch.equal(block(x), want)
     assert cache.tally[0, -1] == 2 * len(missing) - promoted
+
+
+def _experts(e: int, n: int, k: int, norm: bool, seed: int):
+    """Random expert stacks, tokens and routing; the reference sum over top-k in float32 einsums."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up, down = torch.randn(e, 2 * WIDTH, HIDDEN, generator=gen) / 8, torch.randn(e, HIDDEN, WIDTH, generator=gen) / 6
+    x = torch.randn(n, HIDDEN, generator=gen)
+    weights, ids = route(torch.randn(n, e, generator=gen), k, norm, torch.float32)
+    gate, up = torch.einsum("nh,nkih->nki", x, gate_up[ids]).chunk(2, dim=-1)  # [N, k, I] each
+    rows = torch.einsum("nki,nkhi->nkh", torch.nn.functional.silu(gate) * up, down[ids])  # [N, k, H]
+    return (x, ids, weights, gate_up, down), (rows * weights[..., None]).sum(dim=1)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_few_token_kernels_match_the_grouped_kernels(tokens, top_k, norm):
+    """Decode and short windows (<= 32 pairs) take the two few-token launches: gate/up split over K chunks (reduced by
+    the last chunk's program) and down with the top-k sum fused; same output and tally as the grouped kernels, the
+    arrival counters left zeroed, and a second run bit-equal (a fixed reduction order)."""
+    e = 16
+    (x, ids, weights, gate_up, down), want = _experts(e, tokens, top_k, norm, seed=7 * tokens + top_k)
+    args = [t.to(DEVICE) for t in (x, ids, weights, gate_up, down, torch.arange(e))]
+    counters = torch.zeros(moe_kernels.counter_size(HIDDEN, WIDTH), dtype=torch.int32, device=DEVICE)
+    out, tallies = {}, {}
+    for path in ("small", "grouped"):
+        tallies[path] = torch.zeros(e + 2, dtype=torch.int32, device=DEVICE)
+        out[path] = moe_kernels.fused_experts(*args, tallies[path], path=path, counters=counters)
+        torch.testing.assert_close(out[path].cpu(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tallies["small"], tallies["grouped"])
+    assert tallies["small"][-2:].tolist() == [ids.unique().numel(), 0]
+    assert not counters.any()
+    again = moe_kernels.fused_experts(*args, torch.zeros(e + 2, dtype=torch.int32, device=DEVICE), counters=counters)
+    assert torch.equal(again, out["small"])
+
+
+@pytest.mark.parametrize("config", [(8, 1, 16), (16, 4, 32)])
+def test_few_token_configs_and_dispatch(config):
+    """Any accepted (gate/up columns, K chunks, down columns) gives the same sums (one K chunk: no reduce; four);
+    windows past 32 pairs or 8 tokens take the grouped kernels, and asking for the few-token ones there is an error."""
+    e = 8
+    (x, ids, weights, gate_up, down), want = _experts(e, 3, 2, False, seed=21)
+    args = [t.to(DEVICE) for t in (x, ids, weights, gate_up, down, torch.arange(e))]
+    tally = torch.zeros(e + 2, dtype=torch.int32, device=DEVICE)
+    got = moe_kernels.fused_experts(*args, tally, path="small", small=config)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    (x, ids, weights, *_), _ = _experts(e, 9, 2, False, seed=22)  # 9 tokens: 18 pairs but past SMALL_MAX_TOKENS
+    with pytest.raises(ValueError, match="few-token MoE kernels serve"):
+        moe_kernels.fused_experts(x, ids, weights, *args[3:], tally, path="small")
+    with pytest.raises(ValueError, match="needs >= 8 gate/up columns"):
+        moe_kernels.fused_experts(*args, tally, path="small", small=(4, 1, 16))
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_few_token_block_with_a_shared_expert(tokens):
+    """The Qwen3-Next block (shared expert, top-8 of 16, raw weights) on decode and 2-token windows: the host-routed
+    path's output, the layer's arrival counters left zeroed."""
+    block, cache = _block(16, 8, norm=False, seed=30 + tokens, shared=48)
+    x = torch.randn(1, tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    want, got = _both(block, cache, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert cache.layers[0].arrivals is not None and not cache.layers[0].arrivals.any()
