@@ -3,7 +3,8 @@
 The eager expert cache reads every layer's routing back to the host. When every expert a
 window routes to is resident, nothing needs the host: these kernels take the expert ids
 from a device tensor, so a layer is five launches (router GEMV, `route_topk`, gate/up,
-down, combine) and a decode or verify window can be captured in a CUDA graph.
+down, combine; four for decode and windows of <= 32 pairs: see the few-token kernels) and a
+decode or verify window can be captured in a CUDA graph.
 
 - `route_topk`: softmax in float32, top-k by repeated argmax, optional renormalisation,
   cast to the activation dtype (the order of `moe.route`), one program per token.
@@ -17,6 +18,11 @@ down, combine) and a decode or verify window can be captured in a CUDA graph.
   [T, k] ids with its expert. The weighted sum is a third launch, in a fixed order over k,
   so results are deterministic (no float atomics) and round where `LayerExperts.compute`
   rounds (gate/up and down outputs in the storage dtype, then weight * row, then the sum).
+- Few-token windows (<= SMALL_MAX_PAIRS pairs, <= SMALL_MAX_TOKENS tokens, bf16 / float32:
+  decode is 8 pairs at top-8) take `_gate_up_small_kernel` and `_down_small_kernel` instead:
+  GEMVs in registers over wide [columns x 256] tiles, gate/up split over K chunks, >= 4
+  programs per SM, the chunk reduce (+ SiLU gate) and the top-k sum each done by the last
+  program to arrive at a per-tile counter (fixed order; same rounding points as above).
 
 The expert weights are the cache's slots ([S, 2I, H] gate rows then up rows, [S, H, I]);
 `slot_of[e]` is expert e's slot, or S when it has none: then the kernels read it from the
