@@ -37,6 +37,8 @@ DOT_MIN_ROWS = 5  # from this many rows the GEMV multiplies on tensor cores
 # (which needs >= 16 features). The tl.dot path re-reads x [M, range] per program from L2, so it takes wider tiles.
 GEMV_TILES = {False: (16, 2), True: (64, 4)}
 GEMV_TILES_FMA_4 = (32, 4)  # 3-4 rows: lanes_acc is [M, BLOCK_N, P] float32 (32 registers a thread)
+GEMV_TILES_DOT_WIDE = (32, 4)  # bf16 tl.dot with more than 16 rows (64 features, 64 rows: > 255 registers)
+GEMV_TILES_DOT_FP32 = (16, 8)  # IEEE float32 tl.dot (CUDA-core products; at 4 warps: 255 registers and spills)
 # Target grid: the split brings the grid up to this many programs per SM (sm_90 compile, 8B shapes: 56-190 registers,
 # no spills, so 2-16 programs of 2-4 warps fit on an SM at once; each program's one loop step reads 4.3-54 KB).
 PROGRAMS_PER_SM = 16
@@ -50,13 +52,34 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan(m: int, n: int, qtype: str, n_blocks: int, device: torch.device) -> tuple[int, int, int]:
+def tile(m: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, warps) for m rows of `dtype` activations."""
+    if m < DOT_MIN_ROWS:
+        return GEMV_TILES_FMA_4 if m >= 3 else GEMV_TILES[False]
+    if dtype == torch.float32:
+        return GEMV_TILES_DOT_FP32
+    return GEMV_TILES_DOT_WIDE if m > 16 else GEMV_TILES[True]
+
+
+def _wide(m: int, dtype: torch.dtype) -> bool:
+    return m >= DOT_MIN_ROWS and (m > 16 or dtype == torch.float32)
+
+
+def meta(qtype: str, n_blocks: int, m: int, dtype: torch.dtype) -> dict:
+    """quant_kernels._meta, with one block per loop step for the wide tl.dot tiles (more: > 255 registers, spills)."""
+    out = _meta(qtype, n_blocks)
+    if _wide(m, dtype):
+        out["UNROLL"] = 1 if out["BS"] == 256 else next(u for u in (2, 1) if n_blocks % u == 0)
+    return out
+
+
+def plan(m: int, n: int, qtype: str, n_blocks: int, device: torch.device,
+         dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int]:
     """(BLOCK_N, warps, SPLIT) for an [m, K] x [n, K]^T product of `qtype` rows of `n_blocks` blocks."""
-    use_dot = m >= DOT_MIN_ROWS
-    block_n, warps = GEMV_TILES_FMA_4 if 3 <= m < DOT_MIN_ROWS else GEMV_TILES[use_dot]
+    block_n, warps = tile(m, dtype)
     if _INTERPRETED:  # the interpreter pays per program: wide tiles, and a split of 2 so the tests cover it
         return 256, warps, 2
-    steps = n_blocks // _meta(qtype, n_blocks)["UNROLL"]  # the row in UNROLL-block steps
+    steps = n_blocks // meta(qtype, n_blocks, m, dtype)["UNROLL"]  # the row in UNROLL-block steps
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))
     row_bytes = n_blocks * _meta(qtype, n_blocks)["BB"]
@@ -157,16 +180,16 @@ def gemv(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     use_dot = m >= DOT_MIN_ROWS
-    tile_n, warps, split = plan(m, n, qtype, n_blocks, x.device)
+    tile_n, warps, split = plan(m, n, qtype, n_blocks, x.device, x.dtype)
     block_n, num_warps, split = block_n or tile_n, num_warps or warps, split_k or split
-    meta = _meta(qtype, n_blocks)
-    per, split = split_ranges(n_blocks, meta["UNROLL"], split)
+    consts = meta(qtype, n_blocks, m, x.dtype)
+    per, split = split_ranges(n_blocks, consts["UNROLL"], split)
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     common = dict(HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16)
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         x, blocks, bias if bias is not None else x, out, part, m, n, blocks.stride(0), n_blocks, per, x.stride(0),
-        out.stride(0), **meta, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
+        out.stride(0), **consts, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
         NATIVE=not _INTERPRETED, DIRECT=split == 1, **common, num_warps=num_warps,
     )
     if split > 1:

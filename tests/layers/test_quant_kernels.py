@@ -81,7 +81,7 @@ def test_gemv_rows_and_prefill_path_match_reference(qtype):
         x = torch.randn(m, k, generator=gen).to(DEV)
         assert_product(qk.quant_matmul(x, blocks, qtype, k), x, w)
         if m <= qk.GEMV_MAX_ROWS:  # the GPU's tile (the interpreter's default tile is wider)
-            assert_product(qk.gemv(x, blocks, qtype, block_n=qg.GEMV_TILES[m >= qg.DOT_MIN_ROWS][0]), x, w)
+            assert_product(qk.gemv(x, blocks, qtype, block_n=qg.tile(m, x.dtype)[0]), x, w)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
