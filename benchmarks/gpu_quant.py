@@ -16,7 +16,8 @@ the bytes one decode step reads (every weight but the embedding table), the floo
 over the device copy bandwidth measured in this run (gpu_target.copy_bandwidth), the 1-token step
 and the 16-token verify window as CUDA-graph replays of the target's GraphRunner (the node's
 default kernels), and a 512-token prefill. A per-projection table puts our GEMV next to cuBLAS's
-bf16 product at the four fused projection shapes (GB/s of weight bytes), with a small sweep of the
+bf16 product at the four fused projection shapes (GB/s of weight bytes; each a CUDA graph of 20 calls, so
+the device time, not Python's launch overhead), with a small sweep of the
 GEMV's tile (BLOCK_N, warps) for the lead to pick defaults from.
 """
 
@@ -138,6 +139,25 @@ def check_product(model, config: str) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def kernel_ms(fn, reps: int, rounds: int, inner: int = 20) -> float:
+    """Device time of one fn() call: a CUDA graph of `inner` calls replayed (so Python's launch overhead, which an eager
+    loop would time for these 5-50 us kernels, is not counted); eager on the CPU or if the capture fails."""
+    if gt.DEV != "cuda":
+        return gt.cuda_ms(fn, reps, rounds)
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    except Exception as exc:  # noqa: BLE001 (a timing fallback, reported)
+        print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", file=sys.stderr)
+        return gt.cuda_ms(fn, reps, rounds)
+    graph.replay()
+    return gt.cuda_ms(graph.replay, max(1, reps // 5), rounds) / inner
+
+
 def projections(cfg, a, totals: dict) -> dict:
     """Per fused projection shape: cuBLAS bf16 vs our GEMV per type at 1 and 16 rows, GB/s of weight bytes read.
 
@@ -156,7 +176,7 @@ def projections(cfg, a, totals: dict) -> dict:
         w = torch.randn(n, k, device=gt.DEV, generator=gen).to(torch.bfloat16)
         for m in (1, 16):
             x = torch.randn(m, k, device=gt.DEV, dtype=torch.bfloat16)
-            ms = gt.cuda_ms(lambda: F.linear(x, w), reps, a.rounds)
+            ms = kernel_ms(lambda: F.linear(x, w), reps, a.rounds)
             row[f"bf16 cuBLAS m={m}"] = {"us": ms * 1e3, "GBps": w.nbytes / ms / 1e6}
         for qtype in ("Q8_0", "Q6_K", "Q4_K"):
             blocks = random_blocks(qtype, n, k, gen)
@@ -170,7 +190,7 @@ def projections(cfg, a, totals: dict) -> dict:
                 best = None
                 for bn, warps in tiles:
                     kw = {"block_n": bn, "num_warps": warps}
-                    ms = gt.cuda_ms(lambda: gemv(x, blocks, qtype, **kw), reps, a.rounds)
+                    ms = kernel_ms(lambda: gemv(x, blocks, qtype, **kw), reps, a.rounds)
                     cell = {"us": ms * 1e3, "GBps": blocks.nbytes / ms / 1e6, "block_n": bn, "warps": warps,
                             "split": split}
                     if (bn, warps) == default:

@@ -51,7 +51,8 @@ def compile_(fn, types, consts, warps):
     res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
     sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
-    return re.search(r"REG:(\d+)", res).group(1), re.search(r"LOCAL:(\d+)", res).group(1), len(re.findall(r"\bI2F", sass))
+    regs, local = re.search(r"REG:(\d+)", res).group(1), re.search(r"LOCAL:(\d+)", res).group(1)
+    return regs, local, len(re.findall(r"\bI2F", sass))
 
 def gemv(qtype, m, k, xdt):
     n_blocks = k // qk.LAYOUT[qtype][0]
@@ -83,5 +84,6 @@ def test_gemv_kernels_compile_for_sm90_without_spills():
     assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr[-3000:]
     for line in done.stdout.splitlines()[:-1]:
         *case, regs, local, i2f = line.split()
-        assert local in ("0", "?") and i2f in ("0", "?"), f"{' '.join(case)}: {regs} registers, {local} B local, {i2f} I2F"
+        assert local in ("0", "?") and i2f in ("0", "?"), \
+            f"{' '.join(case)}: {regs} registers, {local} B local, {i2f} I2F"
     print(done.stdout)
