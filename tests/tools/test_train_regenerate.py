@@ -157,3 +157,40 @@ def test_cli_trains_mtp_on_regenerated_windows(tmp_path):
     assert "regenerated 32 windows of 48 tokens (16-47 of text" in r.stderr
     s = json.loads(summary.read_text())
     assert s["last_loss"] < s["first_loss"] - 0.3 and s["evaluations"][-1][1]["loss"] > 0, s
+
+
+def test_sampled_regeneration_draws_from_the_targets_distribution(demo, stream):
+    """--regen-temperature T: the written tokens are samples of softmax(logits / T) (the first written token of 4,000
+    copies of one prompt: total variation from the target's distribution < 0.05), reproducible by seed, and not the
+    greedy chain."""
+    from draftflow.layers.kv_cache import KVCache, static_shape
+
+    prompt = stream[:PROMPT]
+    copies = prompt.expand(4000, PROMPT).contiguous()
+    rows = regenerate(demo.model, copies, PROMPT + 1, batch_size=4000, temperature=0.7, seed=3)
+    cache = KVCache.from_static(torch.empty(static_shape(demo.model.config, 1, PROMPT), dtype=torch.float32))
+    logits, _ = demo.model(prompt[None], 0, cache, logit_rows=1)
+    want = torch.softmax(logits[0, -1].float() / 0.7, -1)
+    got = torch.bincount(rows[:, PROMPT], minlength=want.numel()).float() / rows.shape[0]
+    assert 0.5 * (got - want).abs().sum() < 0.05
+    prompts = torch.stack([stream[s:s + PROMPT] for s in (0, 50, 333)])
+    a = regenerate(demo.model, prompts, SEQ, temperature=1.0, seed=5)
+    assert torch.equal(a, regenerate(demo.model, prompts, SEQ, temperature=1.0, seed=5))
+    assert not torch.equal(a, regenerate(demo.model, prompts, SEQ, temperature=1.0, seed=6))
+    assert not torch.equal(a, regenerate(demo.model, prompts, SEQ))  # greedy
+
+
+def test_cli_regen_temperature_samples_and_is_checked(tmp_path):
+    """The CLI says the pool was sampled; a negative temperature, or one without --labels regenerate, is one error."""
+    base = ["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core", "--steps", "2",
+            "--seq-len", "48", "--batch-size", "4", "--block-size", "4", "--layers", "1", "--anchors", "4",
+            "--eval-every", "0", "--eval-windows", "1", "--save-every", "0", "--max-data-mb", "0.1", "--device", "cpu"]
+    r = run_cli(base + ["--labels", "regenerate", "--prompt-len", "12", "--regen-windows", "8", "--regen-temperature",
+                        "1"])
+    assert r.returncode == 0, r.stderr
+    assert "regenerated 8 windows of 48 tokens (12-12 of text, the rest sampled at T = 1 by the target)" in r.stderr
+    bad = run_cli(base + ["--labels", "regenerate", "--regen-temperature", "-1", "--out", tmp_path / "e"])
+    assert bad.returncode != 0 and "--regen-temperature -1.0: must be at least 0.0" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    stray = run_cli(base + ["--regen-temperature", "1", "--out", tmp_path / "f"])
+    assert stray.returncode != 0 and "--regen-temperature applies to --labels regenerate only" in stray.stderr

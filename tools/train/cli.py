@@ -33,9 +33,9 @@ MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 BLOCKS, DFLASH2, MTP, REGEN = ("dflash", "dflash2"), ("dflash2",), ("mtp",), ("dflash", "dflash2", "mtp")
 # Options of some recipes only (or of --labels regenerate): they parse to None unless given, so an option of
 # another recipe is refused rather than ignored; these are their defaults.
-RECIPE_DEFAULTS = {"regen_windows": 16384, "anchors": 16, "conv_kernel_size": 2, "conv_group_size": 16,
-                   "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0, "selector_warmup": 0.0005,
-                   "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4}
+RECIPE_DEFAULTS = {"regen_windows": 16384, "regen_temperature": 0.0, "anchors": 16, "conv_kernel_size": 2,
+                   "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0,
+                   "selector_warmup": 0.0005, "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     only(p, REGEN, "--prompt-len", help="regenerate: tokens of text that start a window, N or MIN-MAX (drawn per "
          "generation batch); the target writes the rest. Default 16 to the most that leaves --anchors blocks")
     only(p, REGEN, "--regen-windows", type=int, help="regenerate: windows in the generated pool (default 16384)")
+    only(p, REGEN, "--regen-temperature", type=float, help="regenerate: 0 (default) = the target writes greedily; T > 0 "
+         "= it samples at temperature T (labels for drafting at T > 0)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--time-budget-min", type=float, help="end the run (and its LR schedule) after this many minutes")
     p.add_argument("--batch-size", type=int, default=8)
@@ -345,11 +347,14 @@ def _regenerated(a, target, sampler, width: int, anchors: int):
     lo, hi = _prompt_range(a.prompt_len, a.seq_len, width, anchors)
     if a.regen_windows < 1:
         raise DraftflowError(f"--regen-windows {a.regen_windows}: give a positive number of windows")
+    temperature = a.regen_temperature
     t0 = time.perf_counter()
     # batched greedy generation: a GPU takes thousands of rows per forward, a CPU does best with a few hundred
     rows = 4096 if torch.device(a.device).type == "cuda" else 512
-    regen = RegeneratedSampler(sampler, target, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows)
-    print(f"regenerated {a.regen_windows} windows of {a.seq_len} tokens ({lo}-{hi} of text, the rest written by the "
+    regen = RegeneratedSampler(sampler, target, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows,
+                               temperature=temperature)
+    how = f"sampled at T = {temperature:g}" if temperature > 0 else "written"
+    print(f"regenerated {a.regen_windows} windows of {a.seq_len} tokens ({lo}-{hi} of text, the rest {how} by the "
           f"target) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return regen
 

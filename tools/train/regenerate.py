@@ -6,9 +6,10 @@ row k >= 2 learns "what the target predicts after the text's token a+k-1", a con
 drafter never sees and that differs from the target's own chain wherever the target
 disagrees with the text. Regenerated windows remove that mismatch (the DFlash paper trains
 on target-regenerated responses): each window keeps its first P tokens of text and the
-rest is the target's greedy continuation, so every block anchored at or after the last
-prompt token (`first_anchor` = P-1) has labels that are exactly the target's chain from
-its anchor. P is drawn per generation batch from a range, so blocks see both long real
+rest is the target's greedy continuation (or, with `--regen-temperature T`, a continuation
+sampled at T: labels for drafters that will draft at T > 0), so every block anchored at or
+after the last prompt token (`first_anchor` = P-1) has labels that are exactly the target's
+chain from its anchor. P is drawn per generation batch from a range, so blocks see both long real
 contexts (as right after a user's prompt) and long self-written ones (later in a reply).
 
 The pool is generated once, before training (batched greedy decoding through the target's
@@ -28,10 +29,15 @@ from draftflow.tools.train.data import WindowSampler
 
 
 @torch.no_grad()
-def regenerate(target: TargetModel, prompts: torch.Tensor, length: int, batch_size: int = 512) -> torch.Tensor:
-    """`prompts` [N, P] followed by the target's greedy tokens up to `length` positions: [N, length] int64."""
+def regenerate(target: TargetModel, prompts: torch.Tensor, length: int, batch_size: int = 512,
+               temperature: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """`prompts` [N, P] followed by the target's tokens up to `length` positions: [N, length] int64.
+
+    temperature 0: greedy; > 0: sampled from softmax(logits / temperature) with a generator seeded by `seed`
+    (sampled labels, for drafters that will draft at T > 0)."""
     n, p = prompts.shape
     dev = target.norm.weight.device
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     out = torch.empty(n, length, dtype=torch.long)
     out[:, :p] = prompts
     for lo in range(0, n, batch_size):
@@ -42,7 +48,11 @@ def regenerate(target: TargetModel, prompts: torch.Tensor, length: int, batch_si
         cache.commit(p)
         written = []
         for _ in range(length - p):
-            tok = logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
+            last = logits[:, -1].float()  # [b, V]
+            if gen is None:
+                tok = last.argmax(-1, keepdim=True)  # [b, 1]
+            else:
+                tok = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=gen)  # [b, 1]
             written.append(tok)
             if len(written) == length - p:
                 break
@@ -58,11 +68,12 @@ class RegeneratedSampler:
     from the raw text."""
 
     def __init__(self, base: WindowSampler, target: TargetModel, prompt_len: tuple[int, int], windows: int,
-                 seed: int = 0, batch_size: int = 512) -> None:
+                 seed: int = 0, batch_size: int = 512, temperature: float = 0.0) -> None:
         seq, (lo, hi) = base.seq_len, prompt_len
         if not 1 <= lo <= hi < seq:
             raise ValueError(f"prompt lengths {lo}..{hi} must lie in [1, {seq}) (the window length)")
         self.base, self.seq_len, self.target, self.prompt_len, self.seed = base, seq, target, (lo, hi), seed
+        self.temperature = temperature
         pick = torch.Generator().manual_seed(seed + 29)
         stream = base.data.train
         rows, firsts = [], []
@@ -71,7 +82,7 @@ class RegeneratedSampler:
             p = int(torch.randint(lo, hi + 1, (1,), generator=pick))
             starts = torch.randint(0, stream.numel() - seq, (n,), generator=pick)
             prompts = torch.stack([stream[s:s + p] for s in starts.tolist()])  # [n, P]
-            rows.append(regenerate(target, prompts, seq, batch_size))
+            rows.append(regenerate(target, prompts, seq, batch_size, temperature, seed=seed * 1_000_003 + start))
             firsts.append(torch.full((n,), p - 1, dtype=torch.long))
         self.pool, self.first_anchor = torch.cat(rows), torch.cat(firsts)  # [N, S], [N]
         self.generator = torch.Generator().manual_seed(seed)
@@ -93,6 +104,7 @@ class RegeneratedSampler:
             if w.numel() != self.seq_len:
                 continue
             p = int(torch.randint(self.prompt_len[0], self.prompt_len[1] + 1, (1,), generator=pick))
-            rows.append(regenerate(self.target, w[None, :p], self.seq_len)[0])
+            rows.append(regenerate(self.target, w[None, :p], self.seq_len, temperature=self.temperature,
+                                   seed=self.seed + 37 + len(rows))[0])
             firsts.append(p - 1)
         return (torch.stack(rows), torch.tensor(firsts)) if rows else None
