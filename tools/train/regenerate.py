@@ -82,7 +82,8 @@ class RegeneratedSampler:
             p = int(torch.randint(lo, hi + 1, (1,), generator=pick))
             starts = torch.randint(0, stream.numel() - seq, (n,), generator=pick)
             prompts = torch.stack([stream[s:s + p] for s in starts.tolist()])  # [n, P]
-            rows.append(regenerate(target, prompts, seq, batch_size, temperature, seed=seed * 1_000_003 + start))
+            rows.append(regenerate(target, prompts, seq, batch_size, temperature,
+                                   seed=(seed * 1_000_003 + start) % 2**63))
             firsts.append(torch.full((n,), p - 1, dtype=torch.long))
         self.pool, self.first_anchor = torch.cat(rows), torch.cat(firsts)  # [N, S], [N]
         self.generator = torch.Generator().manual_seed(seed)
@@ -105,6 +106,6 @@ class RegeneratedSampler:
                 continue
             p = int(torch.randint(self.prompt_len[0], self.prompt_len[1] + 1, (1,), generator=pick))
             rows.append(regenerate(self.target, w[None, :p], self.seq_len, temperature=self.temperature,
-                                   seed=self.seed + 37 + len(rows))[0])
+                                   seed=(self.seed + 37 + len(rows)) % 2**63)[0])
             firsts.append(p - 1)
         return (torch.stack(rows), torch.tensor(firsts)) if rows else None
