@@ -25,10 +25,11 @@ try:
     from triton.compiler.errors import CompilationError
 except ImportError as exc:
     print(f"triton API differs: {exc}"); sys.exit(3)
+from draftflow.layers import moe_few_token as few
 from draftflow.layers import moe_kernels as mk
 import torch
 device = torch.device("cuda")  # small_config: an H200's 132 multiprocessors when no GPU answers
-mk._SMS.setdefault(0, 132)
+few._SMS.setdefault(0, 132)
 torch.cuda.current_device = lambda: 0
 
 import os, subprocess, tempfile
@@ -72,9 +73,9 @@ for dt in ("bf16", "fp32"):
     for tokens, pairs in ((1, 8), (2, 16), (4, 32), (8, 32)) if dt == "bf16" else ((1, 8),):
         block_i, split, block_n = mk.small_config(tokens, pairs, 2048, 768, device)
         small = dict(K=pairs // tokens, BLOCK_T=tokens, BLOCK_KP=pairs // tokens, IS_BF16=dt == "bf16")
-        compile_(mk._gate_up_small_kernel, types, dict(small, BLOCK_I=block_i, BLOCK_H=256, SPLIT=split), 4,
+        compile_(few._gate_up_small_kernel, types, dict(small, BLOCK_I=block_i, BLOCK_H=256, SPLIT=split), 4,
                  report=True)
-        compile_(mk._down_small_kernel, types, dict(small, BLOCK_N=block_n, BLOCK_J=256), 4, report=True)
+        compile_(few._down_small_kernel, types, dict(small, BLOCK_N=block_n, BLOCK_J=256), 4, report=True)
     compile_(mk._route_kernel, types, dict(K=8, BLOCK_E=128, BLOCK_K=8, NORM=True), 1)
     compile_(mk._combine_kernel, types, dict(K=8, BLOCK=1024, IS_BF16=dt == "bf16"), 4)
     # (constants, columns, warps, specialised): bf16 decode (Triton makes N == 1 a constant), 16-token windows by
