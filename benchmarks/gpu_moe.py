@@ -85,16 +85,23 @@ def predict(manifests: dict, budget: int | None, context: int):
     return plan
 
 
-def build(cfg, device: str, seed: int):
-    """TargetModel with N(0, 0.02) weights on `device` and routed experts in (pinned) host memory."""
+def random_model(cfg, device: str, seed: int):
+    """(TargetModel with unit norms and N(0, 0.02) weights on `device`, the device generator that drew them)."""
     from draftflow.plugins.target.model import TargetModel
-    from draftflow.layers.moe import HostExperts
 
     model = TargetModel(cfg, dtype=DTYPE, device=device).eval()
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
+    return model, gen
+
+
+def build(cfg, device: str, seed: int):
+    """TargetModel with N(0, 0.02) weights on `device` and routed experts in (pinned) host memory."""
+    from draftflow.layers.moe import HostExperts
+
+    model, gen = random_model(cfg, device, seed)
     n, e, i, h = len(cfg.moe_layers), cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     pin = device == "cuda"
     gate_up = torch.empty((n, e, 2 * i, h), dtype=DTYPE, pin_memory=pin)

@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 if "--tiny" in sys.argv:
@@ -40,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_target as gt  # noqa: E402  (copy bandwidth, CUDA-event timer)
-from gpu_moe import QWEN3_30B_A3B, TINY  # noqa: E402
+from gpu_moe import QWEN3_30B_A3B, TINY, SyncCounter, random_model  # noqa: E402
 
 DTYPE = torch.bfloat16
 START = 128  # prompt tokens prefilled before the timed windows (past FUSED_MAX_TOKENS: the grouped-GEMM path)
@@ -49,13 +48,9 @@ START = 128  # prompt tokens prefilled before the timed windows (past FUSED_MAX_
 def build(cfg, device: str, seed: int):
     """TargetModel with N(0, 0.02) weights and every expert resident in device slots filled in place (no host copy)."""
     from draftflow.layers.moe import HostExperts
-    from draftflow.plugins.target.model import TargetModel
 
-    model = TargetModel(cfg, dtype=DTYPE, device=device).eval()
-    gen = torch.Generator(device=device).manual_seed(seed)
+    model, gen = random_model(cfg, device, seed)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
         n, e, i, h = len(cfg.moe_layers), cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         # The "host" stacks are broadcast views of one expert on the device: the cache's construction copies them
         # into its slots, which are then redrawn in place, so the 58 GB of experts exist once, on the device.
@@ -68,18 +63,10 @@ def build(cfg, device: str, seed: int):
 
 
 def host_syncs(fn) -> int:
-    """Host synchronisations `fn` makes, by torch's CUDA sync debug mode (0 on the CPU)."""
-    if not torch.cuda.is_available():
-        return 0
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    """Host synchronisations `fn` makes (gpu_moe.SyncCounter: torch's CUDA sync debug mode; 0 on the CPU)."""
+    with SyncCounter() as counter:
+        fn()
+    return counter.count
 
 
 def distinct_experts(model, run, layers: int) -> float:
