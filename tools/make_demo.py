@@ -151,6 +151,9 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
     # blocks need the target's own chain as labels (docs/TRAINING.md)
     args += ["--labels", "regenerate", "--regen-windows", str(a.regen_windows), "--gguf", str(work / f"{kind}.gguf")]
     if kind == "dflash" and a.continue_dflash:  # a copy: --init-from may not be the --out it overwrites
+        if not (out / "dflash" / "config.json").is_file():
+            raise SystemExit(f"error: --continue-dflash: no DFlash drafter in {out / 'dflash'}; train one first "
+                             "(--stage dflash without --continue-dflash)")
         start = work / "dflash-start"
         shutil.rmtree(start, ignore_errors=True)
         shutil.copytree(out / "dflash", start)

@@ -31,3 +31,15 @@ def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     assert argv[argv.index("--init-from") + 1] == str(work / "dflash-start") and "--layers" not in argv
     assert argv[argv.index("--lr") + 1] == "0.001" and argv[argv.index("--seed") + 1] == "1"
     assert read_artifact(out / "dflash").config.target_layer_ids == read_artifact(work / "dflash-start").config.target_layer_ids
+
+
+def test_continue_dflash_without_a_drafter_is_one_error_line(tmp_path):
+    """--continue-dflash with no OUT/dflash to continue: one `error:` line naming the folder and the fix, before any
+    training, and nothing written into OUT."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        make_demo(["--stage", "dflash", "--out", str(out), "--work", str(tmp_path / "work"), "--continue-dflash"])
+    assert str(exc.value) == (f"error: --continue-dflash: no DFlash drafter in {out / 'dflash'}; train one first "
+                              "(--stage dflash without --continue-dflash)")
+    assert list(out.iterdir()) == []
