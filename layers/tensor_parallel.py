@@ -20,6 +20,7 @@ adds the collectives. With one rank nothing here runs and no collective is issue
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from datetime import timedelta
 from typing import Any
@@ -118,13 +119,22 @@ def group(size: int, device: str = "cpu") -> TPGroup:
         dist.init_process_group(backend, rank=where[0], world_size=where[1])
         # Ours to end: a group left to interpreter teardown can abort the process ("terminate called without an
         # active exception", gloo) after a clean run.
-        atexit.register(dist.destroy_process_group)
+        atexit.register(_leave)
     if dist.get_world_size() != size:
         raise DraftflowError(f"tensor_parallel {size} but {dist.get_world_size()} processes were started; start "
                              f"one per rank: {LAUNCH_HINT.format(n=size)}")
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _GROUPS[size] = TPGroup(dist.get_rank(), size, None, control)
     return _GROUPS[size]
+
+
+def _leave() -> None:
+    """End this process's groups before interpreter teardown; our TPGroups hold the gloo control group, so drop
+    them too, or its C++ side outlives the interpreter and its threads abort the exit."""
+    _GROUPS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 # --- the local config and the weight slices ----------------------------------------------------
