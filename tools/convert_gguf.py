@@ -10,10 +10,13 @@ becomes a `rope_freqs.weight` tensor.
 Which tensors get `--outtype` is what llama.cpp decides: 1-D tensors (norms, biases) and
 the MoE router `ffn_gate_inp` are always F32; a row that is not whole quantization blocks
 falls back to F16 (`convert_hf_to_gguf.py`). f32/f16/bf16/q8_0 write what
-`convert_hf_to_gguf.py --outtype` writes. q4_0/q4_1/q5_0/q5_1 are what
-`llama-quantize F16.gguf OUT.gguf Q4_0` writes, except the output head (`output.weight`,
-or `token_embd.weight` when tied): llama-quantize stores it Q6_K, which the `gguf` package
-cannot quantize, so it goes out Q8_0 (a little larger, at least as accurate).
+`convert_hf_to_gguf.py --outtype` writes. q4_0/q4_1/q5_0/q5_1 and the K-quant mixes
+q4_k_m/q5_k_m/q6_k follow `llama-quantize F16.gguf OUT.gguf TYPE`'s main per-tensor rules:
+the output head (`output.weight`, or `token_embd.weight` when tied) is Q6_K; under the _M
+mixes `attn_v` and `ffn_down` are Q6_K in the first and last eighth of the layers and every
+third layer between; a row that is not whole 256-weight blocks takes llama-quantize's
+fallback (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0). K-quant blocks come from our own
+quantizer (`tools/kquants.py`, the gguf package has none), the rest from gguf's.
 
 The whole model is read into CPU memory first, in float32 (4 bytes per weight), so the tensors
 kept F32 hold the checkpoint's exact values whatever --outtype, as llama.cpp's do.
@@ -37,10 +40,14 @@ from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.layers.rope import llama3_freq_factors
 from draftflow.layers.gguf_names import GGUF_ARCHS, merged_name, write_moe_metadata
 from draftflow.tools.gguf_tokenizer import write_tokenizer
+from draftflow.tools.kquants import quantize_k
 
 _Q = gguf.GGMLQuantizationType
-QUANTIZED = {"q8_0": _Q.Q8_0, "q4_0": _Q.Q4_0, "q4_1": _Q.Q4_1, "q5_0": _Q.Q5_0, "q5_1": _Q.Q5_1}
+QUANTIZED = {"q8_0": _Q.Q8_0, "q4_0": _Q.Q4_0, "q4_1": _Q.Q4_1, "q5_0": _Q.Q5_0, "q5_1": _Q.Q5_1,
+             "q4_k_m": _Q.Q4_K, "q5_k_m": _Q.Q5_K, "q6_k": _Q.Q6_K}  # --outtype -> its base tensor type
 DTYPES = ("f32", "f16", "bf16", *QUANTIZED)
+K_QUANTS = {_Q.Q4_K: "Q4_K", _Q.Q5_K: "Q5_K", _Q.Q6_K: "Q6_K"}
+FALLBACK = {_Q.Q4_K: _Q.Q5_0, _Q.Q5_K: _Q.Q5_1, _Q.Q6_K: _Q.Q8_0}  # llama-quantize, for rows not whole 256-blocks
 _FILE_TYPE = {
     "f32": gguf.LlamaFileType.ALL_F32,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -50,12 +57,15 @@ _FILE_TYPE = {
     "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    "q5_k_m": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+    "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 EPILOG = """\
-k-quants (Q4_K_M, Q5_K_M, Q6_K, ...) and IQ types: the gguf package has no quantizer for
-them. Convert to F16 (or BF16) with draftflow, then quantize with llama.cpp's llama-quantize:
+Other K-quant mixes (Q2_K, Q3_K_*, Q4_K_S, ...) and IQ types: convert to F16 (or BF16) with
+draftflow, then quantize with llama.cpp's llama-quantize (with an importance matrix if you have one):
   python -m draftflow.tools.convert_gguf HF_DIR model-f16.gguf --outtype f16
-  llama-quantize model-f16.gguf model-Q4_K_M.gguf Q4_K_M
+  llama-quantize model-f16.gguf model-Q3_K_M.gguf Q3_K_M
 """
 
 
@@ -86,7 +96,7 @@ def convert_hf_to_gguf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLi
         elif cfg.arch == "llama" and ".self_attn.k_proj." in hf_name:
             tensor = llama_permute(tensor, cfg.num_kv_heads)
         gname = hf_to_gguf_name(hf_name)
-        _add_tensor(writer, gname, tensor, _tensor_dtype(gname, dtype, cfg.tie_word_embeddings))
+        _add_tensor(writer, gname, tensor, _tensor_dtype(gname, dtype, cfg.tie_word_embeddings, cfg.num_layers))
     if cfg.moe_layers:
         _add_experts(writer, loaded.model.host_experts, cfg, dtype, expert_layout)
     if cfg.rope_scaling is not None:  # llama3: llama.cpp divides each frequency by these factors
@@ -120,10 +130,30 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: TargetConfig, dtype: str, arch
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _tensor_dtype(name: str, dtype: str, tied: bool) -> str:
-    """The output head goes Q8_0 under the 4/5-bit types (llama-quantize: Q6_K, which gguf cannot write)."""
+def use_more_bits(index: int, count: int) -> bool:
+    """llama-quantize's layers that get more bits under the _M mixes: the first and last eighth, every third between."""
+    return index < count // 8 or index >= 7 * count // 8 or (index - count // 8) % 3 == 2
+
+
+def _tensor_dtype(name: str, dtype: str, tied: bool, num_layers: int = 1) -> str:
+    """The type of one weight matrix under --outtype ``dtype`` (before the whole-blocks fallback)."""
     head = name == "output.weight" or (tied and name == "token_embd.weight")
-    return "q8_0" if head and dtype in QUANTIZED else dtype
+    if dtype not in QUANTIZED or dtype == "q8_0":
+        return dtype
+    if head:
+        return "Q6_K"
+    if dtype.endswith("_k_m") and name.startswith("blk.") and (".attn_v." in name or ".ffn_down" in name):
+        if use_more_bits(int(name.split(".")[1]), num_layers):
+            return "Q6_K"
+    return dtype
+
+
+def _block_type(dtype: str, row: int):
+    """The GGML type a row of ``row`` weights is stored in under ``dtype`` ("Q6_K" or an --outtype); None: F16."""
+    kind = _Q[dtype] if dtype.isupper() else QUANTIZED[dtype]
+    if kind in FALLBACK and row % gguf.GGML_QUANT_SIZES[kind][0]:
+        kind = FALLBACK[kind]
+    return kind if row % gguf.GGML_QUANT_SIZES[kind][0] == 0 else None
 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, dtype: str) -> None:
@@ -134,9 +164,10 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, dtype:
     elif dtype == "bf16":
         bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
         writer.add_tensor(name, bits, raw_dtype=_Q.BF16)
-    elif dtype in QUANTIZED and tensor.shape[-1] % gguf.GGML_QUANT_SIZES[QUANTIZED[dtype]][0] == 0:
-        q = gguf.quants.quantize(tensor.float().numpy(), QUANTIZED[dtype])
-        writer.add_tensor(name, q, raw_dtype=QUANTIZED[dtype])
+    elif (dtype in QUANTIZED or dtype == "Q6_K") and (kind := _block_type(dtype, tensor.shape[-1])) is not None:
+        rows = tensor.float().numpy()
+        q = quantize_k(rows, K_QUANTS[kind]) if kind in K_QUANTS else gguf.quants.quantize(rows, kind)
+        writer.add_tensor(name, q, raw_dtype=kind)
     else:  # f16, or a row that is not whole blocks (llama.cpp's converter falls back to F16 the same way)
         writer.add_tensor(name, tensor.to(torch.float16).numpy())
 
@@ -148,11 +179,12 @@ def _add_experts(writer: gguf.GGUFWriter, host, cfg: TargetConfig, dtype: str, l
         parts = {"gate_proj": host.gate_up[row, :, :i], "up_proj": host.gate_up[row, :, i:], "down_proj": host.down[row]}
         for part, stack in parts.items():
             if layout == "merged":
-                _add_tensor(writer, merged_name(layer, part), stack.contiguous(), dtype)
+                name = merged_name(layer, part)
+                _add_tensor(writer, name, stack.contiguous(), _tensor_dtype(name, dtype, False, cfg.num_layers))
             else:
                 for j in range(cfg.num_experts):
                     name = hf_to_gguf_name(f"model.layers.{layer}.mlp.experts.{j}.{part}.weight")
-                    _add_tensor(writer, name, stack[j].contiguous(), dtype)
+                    _add_tensor(writer, name, stack[j].contiguous(), _tensor_dtype(name, dtype, False, cfg.num_layers))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output .gguf path")
     parser.add_argument("--outtype", "--dtype", dest="dtype", choices=DTYPES, default="f32",
                         metavar="TYPE", help=f"storage type of the weight matrices: {', '.join(DTYPES)} (default f32; "
-                        "norms and the MoE router stay F32; q4_*/q5_* write the output head Q8_0)")
+                        "norms and the MoE router stay F32; q4_*/q5_*/q6_k write the output head Q6_K)")
     parser.add_argument("--expert-layout", choices=("merged", "per-expert"), default="merged",
                         help="MoE: llama.cpp's merged ffn_*_exps tensors, or one tensor per expert")
     args = parser.parse_args(argv)
