@@ -19,11 +19,14 @@ grid and every weight is rounded again against the scale it will actually be rea
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 QK_K = 256
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_CHUNK_BLOCKS = 8192  # blocks per vectorized pass (bounded temporaries: ~8 MB of float32 per candidate)
+_CHUNK_BLOCKS = 2048  # blocks per vectorized pass and thread (temporaries of a few MB each)
 
 
 def quantize_k(rows: np.ndarray, kind: str) -> np.ndarray:
@@ -36,8 +39,16 @@ def quantize_k(rows: np.ndarray, kind: str) -> np.ndarray:
     blocks = x.reshape(-1, QK_K)
     out = np.empty((blocks.shape[0], BLOCK_BYTES[kind]), dtype=np.uint8)
     encode = _q6_k if kind == "Q6_K" else (lambda b: _q45_k(b, 31 if kind == "Q5_K" else 15))
-    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+
+    def chunk(start: int) -> None:
         out[start:start + _CHUNK_BLOCKS] = encode(blocks[start:start + _CHUNK_BLOCKS])
+
+    starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
+    if len(starts) == 1:
+        chunk(0)
+    else:  # numpy releases the GIL in its array loops: chunks run in parallel on every core
+        with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
+            list(pool.map(chunk, starts))
     return out.reshape(*x.shape[:-1], x.shape[-1] // QK_K * BLOCK_BYTES[kind])
 
 
@@ -59,7 +70,7 @@ def _fit_affine(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np
     best_s, best_m = np.zeros_like(lo), lo.copy()
     flat = span <= 0
     sw = w.sum(axis=1)
-    for delta in np.linspace(-1.0, 1.0, 21):
+    for delta in np.linspace(-1.0, 1.0, 21, dtype=np.float32):  # float32 scalars keep the arithmetic float32
         step = np.where(flat, 1.0, span / (nmax + delta))
         q = np.clip(np.rint((x - lo[:, None]) / step[:, None]), 0, nmax)
         swq, swqq = (w * q).sum(axis=1), (w * q * q).sum(axis=1)
@@ -118,7 +129,7 @@ def _fit_symmetric(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     peak = np.take_along_axis(x, idx[:, None], axis=1)[:, 0]
     best_err = np.full(x.shape[0], np.inf, dtype=np.float32)
     best = np.zeros(x.shape[0], dtype=np.float32)
-    for level in (-32.0, -31.5, -31.0, -30.5, -30.0, -29.0, 31.0, 30.5, 30.0):
+    for level in np.array((-32.0, -31.5, -31.0, -30.5, -30.0, -29.0, 31.0, 30.5, 30.0), dtype=np.float32):
         s = peak / level
         q = np.clip(np.rint(x / np.where(s != 0, s, 1.0)[:, None]), -32, 31)
         swqq = (w * q * q).sum(axis=1)
