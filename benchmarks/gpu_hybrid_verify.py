@@ -1,22 +1,31 @@
-"""A ~27B dense hybrid target (3 Gated DeltaNet : 1 gated attention, bf16): step, verify window, rollback, floor.
+"""A ~27B dense hybrid target (3 Gated DeltaNet : 1 gated attention, bf16): step, window, rollback, DFlash cycle, floors.
 
-    python benchmarks/gpu_hybrid_verify.py --out DIR                          # H200, < 3 min
+    python benchmarks/gpu_hybrid_verify.py --out DIR                          # H200, 64 layers, ~3-4 min
     python benchmarks/gpu_hybrid_verify.py --tiny --device cpu --out DIR      # CPU smoke run (Triton interpreter)
 
 Shapes of the Qwen3.6-27B class (docs/HYBRID.md): hidden 5120, 64 layers (48 Gated DeltaNet,
 16 gated full attention), 16 key / 48 value heads of 128 in the linear layers, 24 query / 4 KV
 heads of 256 in the full ones, MLP 17408, vocabulary 248320; random bf16 weights drawn on the
-GPU (`--layers N` scales the depth if the weights must shrink). After a `--context` prefill it
-times, at that position and never committed:
+GPU (bench_models.py: built on meta, materialised on the device, drawn there once; `--layers N`
+scales the depth). After a `--context` prefill it times, at that position and never committed,
+in this order (a phase past `--deadline-s` is skipped and says so; `--phases` picks some):
 - the 1-token step and the 16-token verify window through the target's graph runner (CUDA
   graphs), with the verify-window kernels (layers/gdn_kernels.py) and with the token-by-token
   torch loop they replace, and both eagerly;
 - `select` rollback after a 16-token window (commit copies one state slot), n accepted;
+- the DFlash cycle as the executor runs it (spec_session.py: target with taps + dflash drafter +
+  verifier through Session / Executor.step, CUDA graphs, the cycle's one host sync), with a random
+  drafter of the shape z-lab ships for Qwen3.6-27B (hidden 5120, 5 layers: 4 sliding-window (2048)
+  + 1 full, MLP 17408, taps [1, 16, 31, 46, 61], block 16; its attention heads are assumed to be
+  the target's, 24 / 4 of 256): its floor is the target's 16-token window floor plus the
+  drafter's (its weights, the LM head over the block, its context K/V) at the measured bandwidth;
+  random drafts are rejected, so every cycle is a whole cycle (one token);
 - one Gated DeltaNet mixer alone, and the recurrence kernel's (block_v, warps) variants at
   T = 16 with the bandwidth its per-position state writes reach;
 - the floor: bytes a window must move (weights but the embedding, the KV read, the committed
   state read, one state write per position) over the copy bandwidth measured in this run
   (benchmarks/gpu_target.py's), for T = 1 and T = 16.
+Every timing is the median of `rounds` rounds; its spread ((max - min) / median) is printed.
 Results go to DIR/results.json after every phase.
 """
 
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,9 +54,26 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16)
 WINDOWS = (1, 4, 8, 16)
+PHASES = ("kernels", "rollback", "dflash", "torch_loop", "mixer")  # in run order: the issue's numbers first
 # (block_v, num_warps) of the recurrence kernel: 32, 16 or 8 state elements per thread; more threads hide more
 # latency, fewer repeat the q/k vectors less. The default is gdn_kernels.BLOCK_V / RECURRENCE_WARPS (16, 4).
 VARIANTS = ((16, 4), (16, 2), (8, 1), (8, 2), (32, 4), (32, 8), (64, 8))
+
+
+def drafter_config(cfg, tiny: bool) -> dict:
+    """The DFlash drafter z-lab ships for Qwen3.6-27B (docs above), tapping this target's depth."""
+    from draftflow.plugins.dflash.config import default_target_layer_ids
+
+    h, layers = cfg.hidden_size, (2 if tiny else 5)
+    return dict(architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=cfg.vocab_size, hidden_size=h,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=1e-6, rope_theta=1e7,
+                max_position_embeddings=32768, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
+                block_size=4 if tiny else 16, num_target_layers=cfg.num_layers,
+                layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"], sliding_window=8 if tiny else 2048,
+                dflash_config={"mask_token_id": cfg.vocab_size - 1 if tiny else 248070,  # Qwen3.5/3.6 drafters' id
+                               "target_layer_ids": [0, 1] if tiny else list(default_target_layer_ids(cfg.num_layers,
+                                                                                                    layers))})
 
 
 def set_kernels(model, on: bool) -> None:
@@ -112,12 +139,75 @@ def mixer_times(gt, model, s, reps: int, rounds: int, variants, top: int = 16) -
     return out
 
 
+def timed(gt, fn, reps: int, rounds: int) -> tuple[float, float]:
+    """(median over `rounds` of the mean ms of `reps` calls, spread = (max - min) / median)."""
+    times = [gt.cuda_ms(fn, reps, 1) for _ in range(rounds)]
+    mid = statistics.median(times)
+    return mid, (max(times) - min(times)) / mid if mid else 0.0
+
+
+def windows(gt, model, s, on: bool, capture: bool, window_sizes, reps: int, rounds: int) -> dict:
+    """Graph replays (GraphRunner, CUDA graphs on CUDA) of every window size and eager T=1 / T=top, ms and spread."""
+    from draftflow.plugins.target.graphs import GraphRunner
+
+    set_kernels(model, on)
+    s.rewind()  # back to the prefilled context (the rollback phase commits past it)
+    runner = GraphRunner(model, s.cache, 16, linear=s.linear, capture=capture, compiled=capture)
+    row, spread = {}, {}
+    with torch.inference_mode():
+        for t in window_sizes:
+            drafts = torch.randint(0, 100, (1, t - 1), device=gt.DEV) if t > 1 else None
+            runner(7, drafts, s.context)  # capture
+            gt.sync()
+            row[f"graph T={t}"], spread[f"graph T={t}"] = timed(gt, lambda d=drafts: runner(7, d, s.context), reps,
+                                                                rounds)
+    for t in (1, window_sizes[-1]):
+        row[f"eager T={t}"], spread[f"eager T={t}"] = timed(gt, lambda t=t: s.verify(t), max(1, reps // 4), rounds)
+    del runner
+    return {**row, "spread": spread}
+
+
+def dflash_cycle(a, gt, model, shapes: dict, context: int, bw: float, step_ms: float | None, dtype) -> dict:
+    """The DFlash cycle through the executor (module docstring), against the target window's + drafter's floors."""
+    import bench_models
+    import spec_session as ss
+
+    from draftflow.plugins.dflash.config import DFlashConfig
+
+    cfg = model.config
+    dcfg_d = drafter_config(cfg, a.tiny)
+    drafter = bench_models.drafter(DFlashConfig.from_hf_dict(dcfg_d, "qwen3.6-27b dflash shape"), a.device, 1, dtype)
+    set_kernels(model, None)  # the node's default: kernels on CUDA, the torch loop on the CPU
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    session = ss.open_session(a.device, model, shapes, drafter, dcfg_d, max_context=context + 256,
+                              dtype=str(dtype).removeprefix("torch."))
+    try:
+        prompt = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(5)).tolist()
+        row = ss.plan_row(session)
+        row.update(ss.cycles(session, prompt, 2 if a.tiny else 20, rounds=1 if a.tiny else 3, warm=1 if a.tiny else 3,
+                             sync_cycles=1 if a.tiny else 4))
+    finally:
+        ss.close(session)
+    ms = lambda b: b / (bw * 1e12) * 1e3  # noqa: E731
+    target16, draft = floor_bytes(cfg, context, 16), ss.dflash_floor_bytes(drafter, model.head_weight(), context)
+    summed = ms(target16["total"]) + ms(draft["total"])
+    row.update(floor_target_window16_ms=ms(target16["total"]), floor_drafter_ms=ms(draft["total"]), drafter_bytes=draft,
+               floors_ms=summed, cycle_over_floors=row["cycle_ms"] / summed,
+               drafter={k: dcfg_d[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "block_size",
+                                               "num_attention_heads", "num_key_value_heads", "head_dim", "layer_types",
+                                               "sliding_window")} | {"taps": dcfg_d["dflash_config"]["target_layer_ids"]})
+    if step_ms:
+        row["cycle_in_target_steps"] = row["cycle_ms"] / step_ms
+    return row
+
+
 def run(a) -> dict:
+    import bench_models
     import gpu_hybrid as gh
     import gpu_target as gt
 
     from draftflow.layers.config import TargetConfig
-    from draftflow.plugins.target.graphs import GraphRunner
 
     gt.DEV = a.device
     out = Path(a.out)
@@ -129,77 +219,103 @@ def run(a) -> dict:
     cfg = TargetConfig.from_hf_dict(shapes, "qwen3.6-27b-class shapes")
     context = a.context or (24 if a.tiny else 2048)
     reps = a.reps or (1 if a.tiny else 10)
-    rounds = 1 if a.tiny else 5
-    windows = (1, 4) if a.tiny else WINDOWS  # the interpreter takes ~0.1 s per token and layer
+    rounds = a.rounds or (1 if a.tiny else 5)
+    sizes = (1, 4) if a.tiny else WINDOWS  # the interpreter takes ~0.1 s per token and layer
+    phases = set(a.phases.split(",")) if a.phases else set(PHASES)
     r.save("env", {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton interpreter)",
                    "torch": torch.__version__, "layers": cfg.num_layers, "linear_layers": cfg.num_linear_layers,
-                   "context": context, "windows": windows})
+                   "context": context, "windows": sizes, "reps": reps, "rounds": rounds})
     bw = gt.copy_bandwidth()
     floors = {t: floor_bytes(cfg, context, t) for t in (1, 16)}
     r.save("floor", {"copy_TBps": bw, **{f"T={t}": {**b, "floor_ms": b["total"] / (bw * 1e12) * 1e3,
                                                      "weights_floor_ms": b["weights"] / (bw * 1e12) * 1e3}
                                           for t, b in floors.items()}})
     began = time.monotonic()
-    model = gt.build_model(cfg, seed=0)
-    dtype = torch.float32 if a.tiny else torch.bfloat16
-    if a.tiny:  # the interpreter is faster in float32 (a bf16 .to() would also round the RoPE table: tiny only)
-        model = model.float()
+    dtype = torch.float32 if a.tiny else torch.bfloat16  # the interpreter is faster in float32
+    model, _ = bench_models.target(cfg, a.device, seed=0, dtype=dtype)
+    gt.sync()
+    built = time.monotonic()
     s = gh.Setup(model, context, "select", a.device, dtype)
-    r.save("model", {"params": sum(p.numel() for p in model.parameters()), "build_and_prefill_s": time.monotonic() - began})
+    gt.sync()
+    r.save("model", {"params": sum(p.numel() for p in model.parameters()), "build_s": built - began,
+                     "prefill_s": time.monotonic() - built})
     capture = a.device == "cuda"
-    for on in (True, False):  # kernels, then the token-by-token torch loop they replace
-        name = "kernels" if on else "torch loop"
-        set_kernels(model, on)
 
-        def timings(on=on) -> dict:
-            runner = GraphRunner(model, s.cache, 16, linear=s.linear, capture=capture, compiled=capture)
-            row = {f"graph T={t}": gt.time_runner(runner, context, t, reps if on else max(1, reps // 4))
-                   for t in windows}
-            row.update({f"eager T={t}": gt.cuda_ms(lambda t=t: s.verify(t), max(1, reps // 4), rounds)
-                        for t in (1, windows[-1])})
-            del runner
-            return row
-        gt.guarded(r, f"windows, {name}", timings)
+    def phase(name: str, key: str, fn) -> None:
+        if name not in phases:
+            return
+        if time.monotonic() - began > a.deadline_s:
+            r.save(key, {"skipped": f"past --deadline-s {a.deadline_s:.0f} s"})
+            return
+        t = time.monotonic()
+        gt.guarded(r, key, fn)
+        r.setdefault("phase_s", {})[name] = time.monotonic() - t
+
+    phase("kernels", "windows, kernels", lambda: windows(gt, model, s, True, capture, sizes, reps, rounds))
     set_kernels(model, True if a.device != "cuda" else None)  # None: the default, kernels on CUDA
-    gt.guarded(r, "select rollback ms", lambda: {n: gh.rollback_ms(s, n, reps, a.device) for n in (1, 4, 8, 16)})
-    gt.guarded(r, "gdn mixer", lambda: mixer_times(gt, model, s, reps, rounds, VARIANTS[:1] if a.tiny else VARIANTS,
-                                                        windows[-1]))
+    phase("rollback", "select rollback ms", lambda: {n: gh.rollback_ms(s, n, reps, a.device) for n in (1, 4, 8, 16)})
+    step_ms = r.get("windows, kernels", {}).get("graph T=1")
+    phase("dflash", "dflash cycle", lambda: dflash_cycle(a, gt, model, shapes, context, bw, step_ms, dtype))
+    phase("torch_loop", "windows, torch loop",  # the token-by-token loop the kernels replace, fewer reps
+          lambda: windows(gt, model, s, False, capture, sizes, max(1, reps // 4), rounds))
+    set_kernels(model, True if a.device != "cuda" else None)
+    phase("mixer", "gdn mixer", lambda: mixer_times(gt, model, s, reps, rounds, VARIANTS[:1] if a.tiny else VARIANTS,
+                                                    sizes[-1]))
     r.save("elapsed_s", time.monotonic() - began)
     return r
 
 
 def report(r: dict) -> None:
-    windows = r["env"]["windows"]
-    top = windows[-1]
+    sizes = r["env"]["windows"]
+    top = sizes[-1]
     f1, f16 = r["floor"]["T=1"], r["floor"]["T=16"]
+    m = r["model"]
     print(f"\n{r['env']['device']}, {r['env']['layers']} layers ({r['env']['linear_layers']} Gated DeltaNet), "
-          f"{r['model']['params'] / 1e9:.2f}B params, context {r['env']['context']}, copy {r['floor']['copy_TBps']:.2f} TB/s")
+          f"{m['params'] / 1e9:.2f}B params (built in {m['build_s']:.1f} s, prefilled in {m['prefill_s']:.1f} s), "
+          f"context {r['env']['context']}, copy {r['floor']['copy_TBps']:.2f} TB/s")
     print(f"floor T=1: {f1['floor_ms']:.3f} ms (weights alone {f1['weights_floor_ms']:.3f});  "
           f"T=16: {f16['floor_ms']:.3f} ms (state writes {f16['state_writes'] / 2**20:.0f} MiB)")
-    print(f"{'ms':<22}" + "".join(f"{f'T={t}':>10}" for t in windows) + f"{f'{top}/1':>8}{'1/floor':>9}")
+    print(f"{'ms':<22}" + "".join(f"{f'T={t}':>10}" for t in sizes) + f"{f'{top}/1':>8}{'1/floor':>9}{'spread':>8}")
     for name in ("kernels", "torch loop"):
         row = r.get(f"windows, {name}", {})
-        if "error" in row:
-            print(f"  {name}: {row['error']}")
+        if "error" in row or "skipped" in row:
+            print(f"  {name}: {row.get('error') or row.get('skipped')}")
             continue
         for mode in ("graph", "eager"):
-            cells = [row.get(f"{mode} T={t}") for t in windows]
+            cells = [row.get(f"{mode} T={t}") for t in sizes]
             text = "".join(f"{c:>10.3f}" if c is not None else f"{'':>10}" for c in cells)
             step, window = row.get(f"{mode} T=1"), row.get(f"{mode} T={top}")
             ratio = f"{window / step:>8.2f}{step / f1['floor_ms']:>9.2f}" if step and window else ""
-            print(f"  {name + ', ' + mode:<20}{text}{ratio}")
+            spread = max((v for k, v in row.get("spread", {}).items() if k.startswith(mode)), default=0.0)
+            print(f"  {name + ', ' + mode:<20}{text}{ratio}{spread:>8.1%}")
     rb = r.get("select rollback ms", {})
-    if "error" not in rb:
+    if rb and "error" not in rb and "skipped" not in rb:
         print("select rollback after a 16-token window, n accepted (ms): "
               + ", ".join(f"n={n} {v:.3f}" for n, v in rb.items()))
+    report_dflash(r.get("dflash cycle"))
     for key, value in r.get("gdn mixer", {}).items():
-        if key == "error":
+        if key in ("error", "skipped"):
             print(f"  gdn mixer: {value}")
         elif isinstance(value, dict):
             print(f"  one layer, {key}: {value['ms']:.4f} ms, state writes {value['state_write_TBps']:.2f} TB/s")
         else:
             print(f"  one layer, {key}: {value:.4f}")
-    print(f"elapsed {r.get('elapsed_s', 0):.0f} s")
+    print(f"elapsed {r.get('elapsed_s', 0):.0f} s; phases (s): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in r.get("phase_s", {}).items()))
+
+
+def report_dflash(d: dict | None) -> None:
+    if not d:
+        return
+    if "error" in d or "skipped" in d:
+        print(f"DFlash cycle: {d.get('error') or d.get('skipped')}")
+        return
+    steps = f" = {d['cycle_in_target_steps']:.2f} target 1-token steps" if "cycle_in_target_steps" in d else ""
+    print(f"DFlash cycle through the executor (target graphs: {'yes' if d['graphs'] else 'no'}): {d['cycle_ms']:.3f} ms "
+          f"(spread {d['spread']:.1%}){steps}; floors: target 16-token window {d['floor_target_window16_ms']:.3f} + "
+          f"drafter {d['floor_drafter_ms']:.3f} = {d['floors_ms']:.3f} ms -> {d['cycle_over_floors']:.2f}x (goal <= 1.8x); "
+          f"{d['tokens_per_cycle']:.2f} tokens/cycle, {d['host_syncs_per_cycle']:.1f} host syncs/cycle; plan "
+          f"{d['plan_gib']:.2f} GiB" + (f", peak {d['peak_gib']:.2f} GiB" if "peak_gib" in d else ""))
 
 
 def main(argv=None) -> int:
@@ -209,7 +325,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 64; keep a multiple of 4)")
     p.add_argument("--context", type=int, default=None, help="prefilled tokens (default 2048; tiny: 24)")
-    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None, help="calls per timed round (default 10)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds, median reported (default 5)")
+    p.add_argument("--phases", default=None, help=f"comma-separated subset of {','.join(PHASES)} (default all)")
+    p.add_argument("--deadline-s", type=float, default=1e9, help="skip the phases that start later than this")
     a = p.parse_args(argv)
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels on CPU tensors; before Triton is imported

@@ -11,7 +11,8 @@ from helpers import ROOT
 
 
 def test_tiny_cpu_run_writes_every_phase(tmp_path, monkeypatch, capsys):
-    """--tiny --device cpu: floor, kernel and torch-loop windows, select rollback and the one-layer timings, no errors."""
+    """--tiny --device cpu: floor, kernel and torch-loop windows, select rollback, the DFlash cycle through the executor
+    and the one-layer timings, no errors."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(sys, "argv", ["gpu_hybrid_verify.py", "--tiny", "--device", "cpu", "--reps", "1",
@@ -21,7 +22,23 @@ def test_tiny_cpu_run_writes_every_phase(tmp_path, monkeypatch, capsys):
     assert exc.value.code == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["floor"]["T=16"]["state_writes"] == 16 * r["floor"]["T=1"]["state_writes"] > 0
-    for phase in ("windows, kernels", "windows, torch loop", "select rollback ms", "gdn mixer"):
-        assert "error" not in r[phase], r[phase]
-    assert set(r["windows, kernels"]) == {"graph T=1", "graph T=4", "eager T=1", "eager T=4"}
-    assert "kernels, graph" in capsys.readouterr().out
+    for phase in ("windows, kernels", "windows, torch loop", "select rollback ms", "dflash cycle", "gdn mixer"):
+        assert "error" not in r[phase] and "skipped" not in r[phase], r[phase]
+    assert set(r["windows, kernels"]) == {"graph T=1", "graph T=4", "eager T=1", "eager T=4", "spread"}
+    cycle = r["dflash cycle"]
+    assert cycle["cycles"] >= 2 and cycle["tokens_per_cycle"] >= 1 and cycle["cycle_ms"] > 0
+    assert cycle["floors_ms"] == cycle["floor_target_window16_ms"] + cycle["floor_drafter_ms"] > 0
+    assert cycle["drafter_bytes"]["lm_head"] > 0 and cycle["drafter"]["layer_types"][-1] == "full_attention"
+    out = capsys.readouterr().out
+    assert "kernels, graph" in out and "DFlash cycle through the executor" in out
+
+
+def test_deadline_skips_later_phases(tmp_path, monkeypatch):
+    """A phase that would start past --deadline-s is recorded as skipped, and the report still prints."""
+    monkeypatch.setattr(sys, "argv", ["gpu_hybrid_verify.py", "--tiny", "--device", "cpu", "--reps", "1", "--context",
+                                      "8", "--phases", "rollback,mixer", "--deadline-s", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(ROOT / "benchmarks" / "gpu_hybrid_verify.py"), run_name="__main__")
+    assert exc.value.code == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert "skipped" in r["select rollback ms"] and "windows, kernels" not in r
