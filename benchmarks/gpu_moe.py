@@ -29,12 +29,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_models  # noqa: E402
+import spec_session  # noqa: E402
+from bench_models import target as random_model  # noqa: E402,F401  (gpu_moe_fused builds with it too)
+from spec_session import SyncCounter  # noqa: E402,F401  (gpu_moe_fused counts syncs with it)
 
 QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
                      intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -85,53 +91,12 @@ def predict(manifests: dict, budget: int | None, context: int):
     return plan
 
 
-def random_model(cfg, device: str, seed: int):
-    """(TargetModel with unit norms and N(0, 0.02) weights on `device`, the device generator that drew them)."""
-    from draftflow.plugins.target.model import TargetModel
-
-    model = TargetModel(cfg, dtype=DTYPE, device=device).eval()
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
-    return model, gen
-
-
-def build(cfg, device: str, seed: int):
-    """TargetModel with N(0, 0.02) weights on `device` and routed experts in (pinned) host memory."""
-    from draftflow.layers.moe import HostExperts
-
+def build(cfg, device: str, seed: int, alias: bool = False):
+    """TargetModel with N(0, 0.02) weights on `device` and routed experts in (pinned) host memory (bench_models.py;
+    `alias`: one layer's experts stand for every layer)."""
     model, gen = random_model(cfg, device, seed)
-    n, e, i, h = len(cfg.moe_layers), cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    pin = device == "cuda"
-    gate_up = torch.empty((n, e, 2 * i, h), dtype=DTYPE, pin_memory=pin)
-    down = torch.empty((n, e, h, i), dtype=DTYPE, pin_memory=pin)
-    for row in range(n):  # drawn on the device layer by layer, then copied to the host
-        gate_up[row].copy_(torch.empty((e, 2 * i, h), dtype=DTYPE, device=device).normal_(0.0, 0.02, generator=gen))
-        down[row].copy_(torch.empty((e, h, i), dtype=DTYPE, device=device).normal_(0.0, 0.02, generator=gen))
-    model.host_experts = HostExperts(tuple(cfg.moe_layers), gate_up, down)
+    model.host_experts = bench_models.host_experts(cfg, device, gen, alias)
     return model
-
-
-class SyncCounter:
-    """Counts host synchronisations inside the block, by torch's CUDA sync debug mode (0 on the CPU)."""
-
-    def __enter__(self):
-        self.count, self._caught = 0, None
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            self._warnings = warnings.catch_warnings(record=True)
-            self._caught = self._warnings.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc):
-        if self._caught is not None:
-            torch.cuda.set_sync_debug_mode("default")
-            self.count = sum("synchroniz" in str(w.message) for w in self._caught)
-            self._warnings.__exit__(*exc)
-        return False
 
 
 def sync(device: str) -> None:
@@ -244,6 +209,32 @@ def miss_costs(model, device: str) -> dict:
     return res
 
 
+def session_rows(model, drafter, tcfg_d: dict, dcfg_d: dict, dev: str, budget: int, a) -> list[tuple[str, dict]]:
+    """Target-only and target + DFlash as `draftflow generate` runs them (spec_session.py: the planner sizes the
+    cache from `budget`, CUDA graphs where the cache is capturable), sampled at T = 1 so routing keeps moving."""
+    rows = []
+    for label, dr in (("session target-only", None), ("session dflash (random)", drafter)):
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        session = spec_session.open_session(dev, model, tcfg_d, dr, dcfg_d if dr is not None else None,
+                                            max_context=a.context, budget=budget)
+        try:
+            prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=torch.Generator().manual_seed(4))
+            row = spec_session.plan_row(session)
+            row.update(spec_session.cycles(session, prompt.tolist(), max(1, a.tokens // 2), rounds=2,
+                                           warm=2 if a.tiny else 4, sync_cycles=2 if a.tiny else 4, temperature=1.0))
+        finally:
+            spec_session.close(session)
+        rows.append((label + (", graphs" if row["graphs"] else ", eager"), row))
+    return rows
+
+
+def print_row(frac, r_spec, r_only, cost, label, row) -> None:
+    print(f"{frac:>5.2f} {r_spec:>9} {r_only:>11} {cost:>7}  {label:<30}{row['resident']:>9}{row['tokens_per_s']:>9.2f}"
+          f"{row['hit_rate']:>9.3f}{row['misses_per_token']:>9.1f}{row['uploads_per_token']:>8.1f}"
+          f"{row['host_syncs_per_cycle']:>7.1f}{row['plan_gib']:>9.2f}{row.get('peak_gib', float('nan')):>9.2f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy shapes (a smoke test; use with --device cpu)")
@@ -252,11 +243,15 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
     p.add_argument("--context", type=int, default=4096, help="max_context of the planned graph (sizes the KV cache)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--alias-host-experts", action="store_true", help="one layer's host experts stand for every layer "
+                   "(bench_models.py: pins 3 GB instead of 58; routing is random, timings are unchanged)")
+    p.add_argument("--no-kernel-sweep", action="store_true", help="skip the full-residency kernel comparison")
+    p.add_argument("--no-session", action="store_true", help="skip the executor (Session, CUDA graphs) rows")
+    p.add_argument("--out", default=None, help="results JSON file (written after every row)")
     a = p.parse_args()
     from draftflow.plugins.dflash.config import DFlashConfig, kv_shape
-    from draftflow.plugins.dflash.model import DFlashModel
     from draftflow.layers.config import TargetConfig
+    from draftflow.layers.kv_cache import KVCache
 
     tcfg_d, dcfg_d = (TINY, TINY_DRAFTER) if a.tiny else (QWEN3_30B_A3B, DRAFTER)
     cfg, dcfg = TargetConfig.from_hf_dict(tcfg_d, "qwen3-30b-a3b-shape"), DFlashConfig.from_hf_dict(dcfg_d, "dflash-shape")
@@ -266,33 +261,38 @@ def main() -> None:
     per, total = free.experts.bytes_per_expert, free.experts.total
     used = sum(r.total - r.experts for r in free.rows)
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-           "experts": total, "bytes_per_expert": per, "runs": []}
-    model = build(cfg, dev, seed=0)
-    drafter = DFlashModel(dcfg, dtype=DTYPE, device=dev).eval()
-    gen = torch.Generator(device=dev).manual_seed(1)
-    with torch.no_grad():
-        for name, prm in sorted(drafter.named_parameters()):
-            prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
-    dkv_buf = torch.zeros(kv_shape(dcfg, a.prompt + a.tokens + 64), dtype=DTYPE, device=dev)
-    from draftflow.layers.kv_cache import KVCache
+           "experts": total, "bytes_per_expert": per, "host_experts_aliased": a.alias_host_experts, "runs": []}
+    began = time.monotonic()
 
-    dkv = KVCache.from_static(dkv_buf)
+    def save() -> None:
+        res["elapsed_s"] = time.monotonic() - began
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1))
+
+    model = build(cfg, dev, seed=0, alias=a.alias_host_experts)
+    drafter = bench_models.drafter(dcfg, dev, seed=1)
+    dkv = KVCache.from_static(torch.zeros(kv_shape(dcfg, a.prompt + a.tokens + 64), dtype=DTYPE, device=dev))
+    sync(dev)
+    res["build_s"] = time.monotonic() - began
     print(f"MoE expert cache, {res['device']}, torch {res['torch']}: {total} experts of {per / 2**20:.2f} MiB, "
-          f"{len(cfg.moe_layers)} MoE layers, top-{cfg.num_experts_per_tok}; random bf16 weights; prompt {a.prompt}, "
-          f"{a.tokens} tokens per run")
-    head = f"{'frac':>5} {'plan spec':>9} {'plan t-only':>11} {'drafter':>7}  {'run':<25}{'resident':>9}{'tok/s':>9}" \
+          f"{len(cfg.moe_layers)} MoE layers, top-{cfg.num_experts_per_tok}; random bf16 weights (built in "
+          f"{res['build_s']:.1f} s{', host experts aliased' if a.alias_host_experts else ''}); prompt {a.prompt}, "
+          f"{a.tokens} tokens per run", flush=True)
+    head = f"{'frac':>5} {'plan spec':>9} {'plan t-only':>11} {'drafter':>7}  {'run':<30}{'resident':>9}{'tok/s':>9}" \
            f"{'hit rate':>9}{'miss/tok':>9}{'up/tok':>8}{'syncs':>7}{'plan GiB':>9}{'peak GiB':>9}"
     # Full residency: the device path, and the host-routed path's two kernels (one grouped GEMM per layer and
     # window, or one GEMM per routed expert; the faster one serves the host-routed rows below).
-    kernels = {}
-    for label, device_path, grouped in (("device path", True, None), ("host-routed grouped", False, True),
-                                        ("host-routed per-expert", False, False)):
+    kernels, grouped = {}, None
+    for label, device_path, grouped in () if a.no_kernel_sweep else (
+            ("device path", True, None), ("host-routed grouped", False, True), ("host-routed per-expert", False, False)):
         model.set_expert_cache(None, grouped).device_path = device_path and (dev == "cuda")
         decode(model, dcfg, None, dkv, dev, a.prompt, 4, seed=1)
         kernels[label] = decode(model, dcfg, None, dkv, dev, a.prompt, 16, seed=1)["tokens_per_s"]
-    grouped = kernels["host-routed grouped"] >= kernels["host-routed per-expert"]
+    if kernels:
+        grouped = kernels["host-routed grouped"] >= kernels["host-routed per-expert"]
+        print("full residency, tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
     res["kernel_tok_s"], res["grouped"] = kernels, grouped
-    print("full residency, tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
+    save()
     print(head)
     for frac in (float(f) for f in a.fractions.split(",")):
         # Never below top-k per MoE layer (the planner would reject it): tiny shapes clamp 0.1 up.
@@ -301,6 +301,8 @@ def main() -> None:
         only_plan = predict({"target": plain}, budget, a.context)
         r_spec, r_only = spec_plan.experts.resident, only_plan.experts.resident
         cost = dict(spec_plan.experts.costs).get("drafter", 0)
+        common = {"fraction": frac, "plan_resident_spec": r_spec, "plan_resident_target_only": r_only,
+                  "drafter_cost_experts": cost, "budget": budget}
         runs = [("target-only @spec", r_spec, None, spec_plan, True), ("dflash (random)", r_spec, drafter, spec_plan, True)]
         if r_only != r_spec:
             runs.append(("target-only autosized", r_only, None, only_plan, True))
@@ -315,13 +317,15 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             out = decode(model, dcfg, dr, dkv, dev, a.prompt, a.tokens, seed=2)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
-            row = {"fraction": frac, "run": label, "resident": resident, "plan_resident_spec": r_spec,
-                   "plan_resident_target_only": r_only, "drafter_cost_experts": cost, "budget": budget,
-                   "plan_gib": plan.total / 2**30, "peak_gib": peak, "host_syncs_per_cycle": syncs, **out}
+            row = {**common, "run": label, "resident": resident, "plan_gib": plan.total / 2**30, "peak_gib": peak,
+                   "host_syncs_per_cycle": syncs, **out}
             res["runs"].append(row)
-            print(f"{frac:>5.2f} {r_spec:>9} {r_only:>11} {cost:>7}  {label:<25}{resident:>9}{out['tokens_per_s']:>9.2f}"
-                  f"{out['hit_rate']:>9.3f}{out['misses_per_token']:>9.1f}{out['uploads_per_token']:>8.1f}{syncs:>7.1f}"
-                  f"{plan.total / 2**30:>9.2f}{peak:>9.2f}")
+            print_row(frac, r_spec, r_only, cost, label, row)
+            save()
+        for label, row in [] if a.no_session else session_rows(model, drafter, tcfg_d, dcfg_d, dev, budget, a):
+            res["runs"].append({**common, "run": label, **row})
+            print_row(frac, r_spec, r_only, cost, label, row)
+            save()
     model.set_expert_cache(max(total // 4, len(cfg.moe_layers) * cfg.num_experts_per_tok), grouped)  # a device-path cache
     res["miss"] = miss_costs(model, dev)
     m = res["miss"]
@@ -329,8 +333,8 @@ def main() -> None:
           f"{m['cpu_compute_1tok_ms']:.3f} ms (1 token) / {m['cpu_compute_16tok_ms']:.3f} ms (16 tokens)"
           + (f" vs read by the kernel from host memory {m['zero_copy_miss_ms']:.3f} ms ({m['zero_copy_gb_s']:.1f} GB/s)"
              if "zero_copy_miss_ms" in m else ""))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+    save()
+    print(f"elapsed {res['elapsed_s']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,11 @@ def plan_row(session) -> dict:
         row.update(resident=vram.experts.resident, experts=vram.experts.total, resident_reason=vram.experts.reason,
                    expert_costs=dict(vram.experts.costs))
     ex = session.executor
-    row["graphs"] = getattr(ex.nodes[ex.target], "runner", None) is not None  # the target's windows are CUDA graphs
+    node = ex.nodes[ex.target]
+    row["graphs"] = getattr(node, "runner", None) is not None  # the target's windows are CUDA graphs
+    cache = getattr(node.model, "expert_cache", None)
+    if cache is not None:  # why a MoE target's windows are (not) graphs: docs/MOE.md
+        row.update(device_path=cache.device_path, capturable=cache.capturable(session.plan.spec.num_draft + 1))
     return row
 
 

@@ -13,7 +13,7 @@ def test_gpu_moe_benchmark_tiny_cpu_smoke(tmp_path):
     """--tiny --device cpu prints the sweep and writes results whose resident counts follow the plan."""
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_moe.py"), "--tiny", "--device", "cpu",
-                           "--fractions", "1.0,0.5", "--prompt", "16", "--tokens", "8", "--out", str(out)],
+                           "--fractions", "1.0,0.5", "--prompt", "16", "--tokens", "8", "--no-session", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "one miss: upload" in proc.stdout
