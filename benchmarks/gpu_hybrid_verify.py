@@ -335,8 +335,11 @@ def report_dflash(d: dict | None) -> None:
     print(f"DFlash cycle through the executor (target graphs: {'yes' if d['graphs'] else 'no'}): {d['cycle_ms']:.3f} ms "
           f"(spread {d['spread']:.1%}){steps}; floors: target 16-token window {d['floor_target_window16_ms']:.3f} + "
           f"drafter {d['floor_drafter_ms']:.3f} = {d['floors_ms']:.3f} ms -> {d['cycle_over_floors']:.2f}x (goal <= 1.8x); "
-          f"{d['tokens_per_cycle']:.2f} tokens/cycle, {d['host_syncs_per_cycle']:.1f} host syncs/cycle; plan "
-          f"{d['plan_gib']:.2f} GiB" + (f", peak {d['peak_gib']:.2f} GiB" if "peak_gib" in d else ""))
+          f"{d['tokens_per_cycle']:.2f} tokens/cycle, {d['host_syncs_per_cycle']:.1f} host syncs/cycle")
+    b = d["drafter_bytes"]
+    print(f"  drafter floor bytes: weights {b['weights'] / 1e9:.2f} GB + LM head over the block {b['lm_head'] / 1e9:.2f} GB"
+          f" + context K/V {b['kv_read'] / 1e6:.1f} MB; plan {d['plan_gib']:.2f} GiB"
+          + (f", peak {d['peak_gib']:.2f} GiB (with this benchmark's own prefilled state)" if "peak_gib" in d else ""))
 
 
 def main(argv=None) -> int:
