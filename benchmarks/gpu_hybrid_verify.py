@@ -164,8 +164,7 @@ def windows(gt, model, s, on: bool, capture: bool, window_sizes, reps: int, roun
                                                                 rounds)
     for t in (1, window_sizes[-1]):
         row[f"eager T={t}"], spread[f"eager T={t}"] = timed(gt, lambda t=t: s.verify(t), max(1, reps // 4), rounds)
-    del runner
-    return {**row, "spread": spread}
+    return {**row, "spread": spread}  # the runner and its graphs go with this frame
 
 
 def dflash_cycle(a, gt, model, shapes: dict, context: int, bw: float, step_ms: float | None, dtype) -> dict:
@@ -201,7 +200,6 @@ def dflash_cycle(a, gt, model, shapes: dict, context: int, bw: float, step_ms: f
                 raise
             fallback = f"{type(exc).__name__}: {str(exc)[:300]}"
             traceback.print_exc()
-            del drafter
     if fallback:
         row["sliding_window_failed"] = fallback  # the row is of 5 full-attention layers: say so
     ms = lambda b: b / (bw * 1e12) * 1e3  # noqa: E731

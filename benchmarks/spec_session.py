@@ -50,8 +50,9 @@ def sync(device) -> None:
 
 
 def open_session(device: str, target, tcfg_d: dict, drafter=None, dcfg_d: dict | None = None, *, max_context: int,
-                 budget: int | None = None, dtype: str = "bfloat16"):
-    """A Session of target (+ dflash drafter) + verifier over the in-memory models; configs are written for the plan."""
+                 budget: int | None = None, dtype: str = "bfloat16", cuda_graphs: bool = True):
+    """A Session of target (+ dflash drafter) + verifier over the in-memory models; configs are written for the plan.
+    `cuda_graphs` False: both nodes run eagerly (their `cuda_graphs: false`)."""
     from draftflow.core.session import Session
     from draftflow.core.tracing import configure_logging
     from draftflow.plugins.dflash import plugin as dflash_plugin
@@ -66,13 +67,13 @@ def open_session(device: str, target, tcfg_d: dict, drafter=None, dcfg_d: dict |
     hf_loader.load_hf = lambda path, device, dtype, tp=None: hf_loader.LoadedTarget(target, target.config, None, (),
                                                                                     "random")
     # warmup_tokens 0: graphs are captured on first use, only for the bucket the run needs (a 64-layer capture is slow)
-    params = {"path": str(root / "target"), "warmup_tokens": 0}
+    params = {"path": str(root / "target"), "warmup_tokens": 0, "cuda_graphs": cuda_graphs}
     nodes = {"target": {"plugin": "target", "params": params}, "verify": {"plugin": "verifier"}}
     graph = {"device": device, "dtype": dtype, "max_context": max_context, "max_batch": 1, "nodes": nodes}
     if drafter is not None:
         dflash_plugin.load_drafter = lambda path, device, dtype: (drafter, drafter.config)
         params["tap_layers"] = list(drafter.config.target_layer_ids)
-        nodes["drafter"] = {"plugin": "dflash", "params": {"path": str(root / "drafter")}}
+        nodes["drafter"] = {"plugin": "dflash", "params": {"path": str(root / "drafter"), "cuda_graphs": cuda_graphs}}
         graph["num_draft"] = drafter.config.block_size - 1
     if budget is not None:
         graph["vram_budget"] = int(budget)

@@ -14,7 +14,7 @@ def test_session_rows_follow_the_plan_on_aliased_host_experts(tmp_path):
     graph at the eager rows' count), count misses and syncs, and the results say the host experts were aliased."""
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_moe.py"), "--tiny", "--device", "cpu",
-                           "--fractions", "0.5", "--prompt", "16", "--tokens", "8", "--no-kernel-sweep",
+                           "--fractions", "0.5", "--prompt", "16", "--tokens", "4", "--no-kernel-sweep",
                            "--alias-host-experts", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
