@@ -172,15 +172,15 @@ def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor 
     if None in qtypes:
         return None  # some dequantized at load (a type the kernels do not cover): separate products
     if len(qtypes) == 1:
-        blocks = joined([lin.blocks for lin in linears])
+        data = joined([lin.data for lin in linears])  # joins only one layout: _rehome joined that attribute
         bias = joined([lin.bias for lin in linears]) if first.bias is not None else None
-        if blocks is not None and (bias is not None or first.bias is None):
-            return first.product(x, blocks, bias)
+        if data is not None and (bias is not None or first.bias is None):
+            return first.product(x, data, bias)
     widths = [lin.out_features for lin in linears]
     out = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)  # [..., sum of outputs]
     rows, col = out.view(-1, sum(widths)), 0
     for lin, width in zip(linears, widths):
-        lin.product(x, lin.blocks, lin.bias, out=rows[:, col:col + width])
+        lin.product(x, lin.data, lin.bias, out=rows[:, col:col + width])
         col += width
     return out
 
@@ -190,13 +190,13 @@ def _rehome(linears: list[nn.Module]) -> None:
     if len(qtypes) > 1:
         return  # mixed types (or some dequantized): fused_linear runs one product per layer
     quantized = qtypes != {None}
-    for attr in ("blocks" if quantized else "weight", "bias"):
+    for attr in ("blocks", "packed", "bias") if quantized else ("weight", "bias"):  # packed: quant_repack's rows
         parts = [getattr(lin, attr) for lin in linears]
-        if parts[0] is None or joined(parts) is not None:
+        if any(p is None for p in parts) or joined(parts) is not None:
             continue
         group = torch.cat([p.detach() for p in parts])
         row = 0
         for lin, p in zip(linears, parts):
-            part = group[row:row + p.shape[0]]  # QuantLinear.blocks is a buffer, not a parameter
-            setattr(lin, attr, part if attr == "blocks" else nn.Parameter(part, requires_grad=False))
+            part = group[row:row + p.shape[0]]  # QuantLinear.blocks / .packed are buffers, not parameters
+            setattr(lin, attr, part if attr in ("blocks", "packed") else nn.Parameter(part, requires_grad=False))
             row += p.shape[0]

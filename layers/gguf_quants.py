@@ -229,7 +229,8 @@ def quantization_lines(infos: list[TensorInfo], dtype: torch.dtype, source: str,
     infos = [i for i in infos if i.name != "rope_freqs.weight"]  # consumed by the config
     file_bytes = sum(map(_file_bytes, infos))
     stay = [i for i in infos if keep and kept(i.name, type_name(i.type_id))]
-    device_bytes = sum(map(_file_bytes, stay)) + (sum(i.numel for i in infos) - sum(i.numel for i in stay)) * dtype.itemsize
+    held = _repacked_bytes if _repacks() else _file_bytes
+    device_bytes = sum(map(held, stay)) + (sum(i.numel for i in infos) - sum(i.numel for i in stay)) * dtype.itemsize
     groups: dict[str, list[str]] = {}
     for i in infos:
         groups.setdefault(tensor_group(i.name, i.ne), []).append(type_name(i.type_id))
@@ -238,8 +239,8 @@ def quantization_lines(infos: list[TensorInfo], dtype: torch.dtype, source: str,
     to = f"{how} to {str(dtype).removeprefix('torch.')} at load"
     if stay:
         kinds = ", ".join(sorted({type_name(i.type_id) for i in stay}))
-        to = (f"{kinds} projections stay quantized on the GPU ({fmt_bytes(sum(map(_file_bytes, stay)))}), the rest "
-              f"{to}")
+        how = ", repacked" if _repacks() else ""
+        to = f"{kinds} projections stay quantized on the GPU ({fmt_bytes(sum(map(held, stay)))}{how}), the rest {to}"
     lines = [f"weights of {source}: {fmt_bytes(file_bytes)} in the file, {to}: {fmt_bytes(device_bytes)} on the device "
              "(what the VRAM plan counts)"]
     order = ("embeddings", "attention", "mlp", "experts", "router", "norms+biases", "other")
@@ -260,10 +261,25 @@ def header_infos(path: str) -> list[TensorInfo] | None:
             for t in reader.tensors]
 
 
-def kept_savings(path: str, dtype: torch.dtype) -> int:
-    """Bytes the projections kept quantized on the GPU save against holding them in `dtype` (the VRAM plan's weights)."""
+def kept_savings(path: str, dtype: torch.dtype, repacked: bool | None = None) -> int:
+    """Bytes the projections kept quantized on the GPU save against holding them in `dtype` (the VRAM plan's weights):
+    at their file bytes, or at quant_repack's row bytes when they are repacked (None: quant_linear.REPACK)."""
     infos = header_infos(path) or []
-    return sum(i.numel * dtype.itemsize - _file_bytes(i) for i in infos if kept(i.name, type_name(i.type_id)))
+    repacked = _repacks() if repacked is None else repacked
+    return sum(i.numel * dtype.itemsize - (_repacked_bytes(i) if repacked else _file_bytes(i))
+               for i in infos if kept(i.name, type_name(i.type_id)))
+
+
+def _repacks() -> bool:
+    from draftflow.layers import quant_linear
+
+    return quant_linear.REPACK
+
+
+def _repacked_bytes(i: TensorInfo) -> int:
+    from draftflow.layers.quant_repack import row_bytes
+
+    return i.numel // i.ne[0] * row_bytes(type_name(i.type_id), i.ne[0])
 
 
 def weight_lines(path: str, dtype: torch.dtype, keep: bool = False) -> list[str]:

@@ -8,6 +8,10 @@ Triton kernels of `quant_kernels`, which dequantize inside the matrix product. T
 dense-MLP projection whose type `QTYPES` covers, on CUDA; everything else (the embedding, the
 LM head, MoE experts, norms, uncovered types) is dequantized at load as before.
 
+`repack()` rewrites the bytes once into quant_repack's layout (16-byte aligned codes, scales
+as the file's own fields; exact) and frees them: products then run quant_gemv_repacked's
+kernels. The loader repacks when `REPACK` (or its `repacked` argument) says so.
+
 Nothing here imports Triton: the kernels are imported on the first product, so a CPU-only
 install (which never builds a QuantLinear) does not need Triton.
 """
@@ -26,6 +30,7 @@ LAYOUT = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22)
 QTYPES = tuple(LAYOUT)
 # The projections a QuantLinear replaces, by GGUF name: attention q/k/v/o and a dense MLP's gate/up/down
 # (not MoE experts `ffn_*_exps`, shared experts `ffn_*_shexp`, the embedding or the LM head).
+REPACK = False  # the loader's default: repack kept projections at load (quant_repack); not yet measured on a GPU
 PROJECTION = re.compile(r"^blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight$")
 
 
@@ -63,6 +68,7 @@ class QuantLinear(nn.Module):
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
         self.register_buffer("blocks", torch.empty(out_features, row_bytes(qtype, in_features), dtype=torch.uint8,
                                                    device=device))
+        self.register_buffer("packed", None)  # [out_features, quant_repack.row_bytes] uint8 after `repack()`
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -74,26 +80,55 @@ class QuantLinear(nn.Module):
         return cls(qtype, linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
                    linear.weight.device)
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The bytes products read: `packed` once repacked, else the file's `blocks`."""
+        return self.blocks if self.packed is None else self.packed
+
+    def repack(self) -> None:
+        """Rewrite the file's bytes into the repacked layout (on their device) and free them. Idempotent."""
+        if self.packed is None:
+            from draftflow.layers.quant_repack import repack
+
+            self.packed, self.blocks = repack(self.blocks, self.qtype, self.in_features), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features] in x.dtype
-        return self.product(x, self.blocks, self.bias)
+        return self.product(x, self.data, self.bias)
 
-    def product(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
+    def product(self, x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """x times the weight of `blocks` (this layer's type and row width; more rows after `fuse_projections`)."""
+        """x times the weight of `data` (this layer's type, layout and row width; more rows after `fuse_projections`)."""
+        if self.packed is not None:
+            from draftflow.layers.quant_gemv_repacked import repacked_matmul
+
+            return repacked_matmul(x, data, self.qtype, self.in_features, bias, out)
         from draftflow.layers.quant_kernels import quant_matmul
 
-        return quant_matmul(x, blocks, self.qtype, self.in_features, bias, out)
+        return quant_matmul(x, data, self.qtype, self.in_features, bias, out)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out_features, in_features] in `dtype` (tests, debugging)."""
+        if self.packed is not None:
+            from draftflow.layers.quant_repack import unpack
+
+            return unpack(self.packed, self.qtype, self.in_features).to(dtype)
         from draftflow.layers.quant_kernels import dequantize
 
         return dequantize(self.blocks, self.qtype, self.in_features, dtype)
 
     def extra_repr(self) -> str:
-        return (f"{self.qtype}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
+        return (f"{self.qtype}{', repacked' if self.packed is not None else ''}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+def repack_all(model: nn.Module) -> int:
+    """Repack every QuantLinear of `model` (before `fuse_projections`, or after: it joins the repacked rows then);
+    returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.repack()
+    return len(layers)
 
 
 def swap_in(model: nn.Module, path: str, qtype: str) -> QuantLinear:

@@ -32,7 +32,8 @@ from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_
 from draftflow.layers.tensor_parallel import SINGLE, TPGroup, shard_of, take
 from draftflow.layers.gguf_quants import (FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize,
                                           dequantized_cost, type_name)
-from draftflow.layers.quant_linear import LAYOUT, PROJECTION, kept, swap_in
+from draftflow.layers import quant_linear
+from draftflow.layers.quant_linear import LAYOUT, PROJECTION, kept, repack_all, swap_in
 
 SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
 log = structlog.get_logger("draftflow")
@@ -63,12 +64,13 @@ def read_gguf_config(path: str | os.PathLike[str]) -> TargetConfig:
 
 
 def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype, tp: TPGroup = SINGLE,
-              quantized: bool | None = None) -> LoadedTarget:
+              quantized: bool | None = None, repacked: bool | None = None) -> LoadedTarget:
     """Load config, weights (any of gguf_quants.SUPPORTED_TYPES, dequantized to `dtype`) and the embedded tokenizer.
 
     `quantized` (None: on CUDA): keep the covered projections in their GGUF blocks (`QuantLinear`,
     Triton kernels; on the CPU only under TRITON_INTERPRET, for tests); False: dequantize every
-    weight at load. One rank only: a tensor-parallel target dequantizes at load.
+    weight at load. One rank only: a tensor-parallel target dequantizes at load. `repacked` (None:
+    quant_linear.REPACK): kept projections are rewritten once into quant_repack's layout for its kernels.
 
     With a tensor-parallel group `tp` a rank reads and dequantizes only its rows of a column-parallel
     tensor, and only its columns of a row-parallel one when they fall on quantization-block
@@ -140,6 +142,8 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
         swap_in(model, hf.removeprefix("model.").removesuffix(".weight"), qtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
+    if stay and (quant_linear.REPACK if repacked is None else repacked):
+        repack_all(model)
     if torch.device(device).type == "cuda":
         _warn_dequantized(every.values(), [tensors[hf] for hf in stay], dtype, source, keep, tp.size)
     eos = tuple(
