@@ -64,6 +64,8 @@ def open_session(device: str, target, tcfg_d: dict, drafter=None, dcfg_d: dict |
         if d is not None:
             (root / name).mkdir()
             (root / name / "config.json").write_text(json.dumps(d))
+    # The loaders hand the nodes our models while the graph is built, and only then (restored below).
+    loaders = (hf_loader.load_hf, dflash_plugin.load_drafter)
     hf_loader.load_hf = lambda path, device, dtype, tp=None: hf_loader.LoadedTarget(target, target.config, None, (),
                                                                                     "random")
     # warmup_tokens 0: graphs are captured on first use, only for the bucket the run needs (a 64-layer capture is slow)
@@ -77,7 +79,10 @@ def open_session(device: str, target, tcfg_d: dict, drafter=None, dcfg_d: dict |
         graph["num_draft"] = drafter.config.block_size - 1
     if budget is not None:
         graph["vram_budget"] = int(budget)
-    return Session.open(graph_dict=graph)
+    try:
+        return Session.open(graph_dict=graph)
+    finally:
+        hf_loader.load_hf, dflash_plugin.load_drafter = loaders
 
 
 def plan_row(session) -> dict:
