@@ -1,6 +1,7 @@
 """MoE expert cache at Qwen3-30B-A3B shape (random bf16 weights): tokens/s and hit rate against the resident fraction.
 
     python3 benchmarks/gpu_moe.py --out results.json             # H200: 48 layers x 128 experts, ~61 GB bf16
+    python3 benchmarks/gpu_moe.py --fractions 0.25,1.0 --tokens 32 --alias-host-experts --no-kernel-sweep --out r.json
     python3 benchmarks/gpu_moe.py --tiny --device cpu            # a CPU smoke run at toy shapes
 
 Nothing is written to disk: the non-expert weights are drawn on the device and the 6,144
@@ -23,6 +24,11 @@ misses read from pinned host memory, promotions between windows) wherever the ex
 enables it; each row also runs a short pass under torch's sync debug mode and reports the
 host synchronisations per cycle (the loop's own verdict read is one), and the target-only
 @spec run is repeated on the host-routed path (one sync per MoE layer and window) to compare.
+The rows above are this script's own eager loop; the `session ...` rows run target-only and
+target + DFlash through the executor at the same budget (spec_session.py: the planner's resident
+count, CUDA graphs where the cache is capturable, the cycle's own sync included, sampled at
+T = 1 so routing keeps moving), as `draftflow generate` would. `--alias-host-experts`: one
+layer's host experts stand for all (bench_models.py; pins ~2 GiB instead of ~64 GiB).
 """
 
 from __future__ import annotations
