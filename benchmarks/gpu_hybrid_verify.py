@@ -1,6 +1,6 @@
 """A ~27B dense hybrid target (3 Gated DeltaNet : 1 gated attention, bf16): step, window, rollback, DFlash cycle, floors.
 
-    python benchmarks/gpu_hybrid_verify.py --out DIR                          # H200, 64 layers, ~3-4 min
+    python benchmarks/gpu_hybrid_verify.py --out DIR                          # H200, 64 layers, ~2 min (est.)
     python benchmarks/gpu_hybrid_verify.py --tiny --device cpu --out DIR      # CPU smoke run (Triton interpreter)
 
 Shapes of the Qwen3.6-27B class (docs/HYBRID.md): hidden 5120, 64 layers (48 Gated DeltaNet,
