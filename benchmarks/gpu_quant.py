@@ -1,11 +1,12 @@
 """GGUF weights kept quantized on one GPU at Qwen3-8B shapes: decode and verify against the weight-read floor.
 
-    python benchmarks/gpu_quant.py --out DIR        # everything; DIR/results.json and a table (< 3 min on an H200)
-    python benchmarks/gpu_quant.py --quick --out DIR  # < 90 s: the projection table (no sweep), bf16 and q4_k_m decode
+    python benchmarks/gpu_quant.py --out DIR        # everything; DIR/results.json and a table (~5 min on an H200)
+    python benchmarks/gpu_quant.py --quick --out DIR  # < 4 min: projections old vs repacked vs cuBLAS, QUICK decode
     python benchmarks/gpu_quant.py --tiny --out DIR # CPU smoke test through Triton's interpreter (measures nothing)
 
 Configurations (issue 20): BF16 (the dequantized path: cuBLAS), Q8_0, Q6_K and Q4_K_M for every
-attention and MLP projection; Q4_K_M is Q4_K with Q6_K for attn_v and ffn_down in the layers
+attention and MLP projection, each with the file-layout kernels (quant_gemv) or, with a `+r` suffix,
+repacked at load (quant_repack, quant_gemv_repacked: the same random bytes when `+r` follows its base); Q4_K_M is Q4_K with Q6_K for attn_v and ffn_down in the layers
 llama.cpp's `use_more_bits` picks (the first and last eighth and every third between: 18 of 36).
 The embedding and LM head stay bf16 in all of them (the loader keeps them dequantized).
 
@@ -13,12 +14,14 @@ Weights are drawn on the GPU, not read from a GGUF file: bf16 N(0, 0.02) as benc
 draws them, then each projection is replaced by a `QuantLinear` of random bytes in its type's block
 layout with small finite fp16 scales (values are sane, not a trained model's). Per configuration:
 the bytes one decode step reads (every weight but the embedding table), the floor = those bytes
-over the device copy bandwidth measured in this run (gpu_target.copy_bandwidth), the 1-token step
+over the device copy bandwidth measured in this run (gpu_target.copy_bandwidth; quantized projections
+counted at their GGUF file bytes, the issue's floor; `read_floor_ms` counts the repacked bytes), the 1-token step
 and the 16-token verify window as CUDA-graph replays of the target's GraphRunner (the node's
-default kernels), and a 512-token prefill. A per-projection table puts our GEMV next to cuBLAS's
-bf16 product at the four fused projection shapes (GB/s of weight bytes; each a CUDA graph of 20 calls, so
-the device time, not Python's launch overhead), with a small sweep of the
-GEMV's tile (BLOCK_N, warps) for the lead to pick defaults from.
+default kernels), and a 512-token prefill. A per-projection table puts both GEMVs next to cuBLAS's
+bf16 product at the four fused projection shapes (GB/s of the bytes each reads, and the repacked one's
+also over the file's bytes; each a CUDA graph of 20 calls, so the device time, not Python's launch
+overhead), with small sweeps of the tiles (old: BLOCK_N, warps; repacked at one row: BLOCK_N, units,
+warps) for the lead to pick defaults from.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_target as gt  # noqa: E402  (timers, copy bandwidth, the random bf16 model, Results)
 
-CONFIGS = ("bf16", "q8_0", "q6_k", "q4_k_m")  # in this order: each replaces the previous one's projections
+CONFIGS = ("bf16", "q8_0", "q8_0+r", "q6_k", "q6_k+r", "q4_k_m", "q4_k_m+r")  # each replaces the previous one's
+QUICK = "bf16,q8_0+r,q6_k+r,q4_k_m,q4_k_m+r"  # projections (`+r` after its base: the same bytes, repacked)
 TINY = {**gt.QWEN3_8B, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}  # rows of 256: one K-quant block
 # fp16 scale fields per block (byte offset, magnitude): |w| stays below ~0.1 whatever the random quant bytes are
@@ -47,6 +51,7 @@ SCALES = {"Q8_0": ((0, 5e-4),), "Q4_0": ((0, 1e-2),), "Q4_1": ((0, 5e-3), (2, 4e
           "Q6_K": ((208, 2e-5),)}
 SWEEP = ((2, 1), (4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))  # (BLOCK_N, warps) of the float32-FMA GEMV
 SWEEP_DOT = ((16, 4), (32, 4), (64, 4), (64, 8))  # of the tensor-core GEMV (16 rows)
+SWEEP_REPACKED = ((32, 8, 2), (64, 8, 2), (64, 16, 4), (128, 8, 4))  # (BLOCK_N, units, warps), repacked, one row
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -57,6 +62,7 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 
 def qtype_of(config: str, layer: int, layers: int, name: str) -> str:
+    config = config.partition("+")[0]
     if config == "q4_k_m":
         more = name in ("self_attn.v_proj", "mlp.down_proj") and use_more_bits(layer, layers)
         return "Q6_K" if more else "Q4_K"
@@ -93,9 +99,16 @@ def quantize_model(model, config: str, seed: int) -> None:
         torch.cuda.empty_cache()
 
 
-def read_bytes(model) -> int:
-    """Bytes one decode step reads: every tensor but the embedding table (a row lookup) and the RoPE table."""
-    return sum(t.nbytes for name, t in model.state_dict().items() if name not in ("embed_tokens.weight", "inv_freq"))
+def read_bytes(model, file_layout: bool = False) -> int:
+    """Bytes one decode step reads: every tensor but the embedding table (a row lookup) and the RoPE table;
+    `file_layout`: repacked projections counted at their GGUF file bytes (the floor the issue measures against)."""
+    from draftflow.layers.quant_linear import QuantLinear, row_bytes
+
+    total = sum(t.nbytes for name, t in model.state_dict().items() if name not in ("embed_tokens.weight", "inv_freq"))
+    if file_layout:
+        for lin in (m for m in model.modules() if isinstance(m, QuantLinear) and m.packed is not None):
+            total += lin.out_features * row_bytes(lin.qtype, lin.in_features) - lin.packed.nbytes
+    return total
 
 
 def measure(model, cfg, bw: float, a) -> dict:
@@ -114,10 +127,11 @@ def measure(model, cfg, bw: float, a) -> dict:
     runner = GraphRunner(model, kv, 16, capture=gt.DEV == "cuda", compiled=gt.DEV == "cuda")
     w1 = time_window(runner, start, 1, a)
     w16 = time_window(runner, start, 16, a)
-    nbytes = read_bytes(model)
-    floor_ms = nbytes / (bw * 1e12) * 1e3
-    return {"weight_bytes_read": nbytes, "floor_ms": floor_ms, "w1_ms": w1, "tok_s": 1e3 / w1,
-            "pct_of_floor": 100 * floor_ms / w1, "w16_ms": w16, "w16_over_w1": w16 / w1, "prefill_512_ms": prefill_ms}
+    nbytes, file_bytes = read_bytes(model), read_bytes(model, file_layout=True)
+    floor_ms, read_floor_ms = file_bytes / (bw * 1e12) * 1e3, nbytes / (bw * 1e12) * 1e3
+    return {"weight_bytes_read": nbytes, "file_bytes": file_bytes, "floor_ms": floor_ms, "read_floor_ms": read_floor_ms,
+            "w1_ms": w1, "tok_s": 1e3 / w1, "pct_of_floor": 100 * floor_ms / w1, "pct_of_read_floor": 100 * read_floor_ms / w1,
+            "w16_ms": w16, "w16_over_w1": w16 / w1, "prefill_512_ms": prefill_ms}
 
 
 def time_window(runner, start: int, w: int, a) -> float:
@@ -129,12 +143,10 @@ def time_window(runner, start: int, w: int, a) -> float:
 
 
 def check_product(model, config: str) -> float:
-    """Relative max error of layer 0's fused gate/up GEMV (1 row) against dequantize + matmul in float32."""
-    from draftflow.layers.quant_kernels import quant_matmul
-
+    """Relative max error of layer 0's gate GEMV (1 row, the layer's layout) against dequantize + matmul in float32."""
     lin = model.layers[0].mlp.gate_proj
     x = torch.randn(1, lin.in_features, device=gt.DEV, dtype=torch.bfloat16)
-    got = quant_matmul(x, lin.blocks, lin.qtype, lin.in_features).float()
+    got = lin.product(x, lin.data, None).float()
     want = x.float() @ lin.dequantized(torch.float32).T
     return float((got - want).abs().max() / want.abs().max())
 
@@ -159,7 +171,8 @@ def kernel_ms(fn, reps: int, rounds: int, inner: int = 20) -> float:
 
 
 def projections(cfg, a, totals: dict) -> dict:
-    """Per fused projection shape: cuBLAS bf16 vs our GEMV per type at 1 and 16 rows, GB/s of weight bytes read.
+    """Per fused projection shape: cuBLAS bf16 vs the file-layout GEMV vs the repacked GEMV per type at 1 and 16 rows,
+    GB/s of the weight bytes each reads (the repacked one also over the file's bytes, `file_GBps`).
 
     `totals` gathers each swept tile's time summed over shapes and types: {(tensor cores?, tile): [us, count]}."""
     from draftflow.layers.quant_gemv import DOT_MIN_ROWS, gemv, plan
@@ -201,22 +214,51 @@ def projections(cfg, a, totals: dict) -> dict:
                         best = cell
                 if len(tiles) > 1:
                     row[f"{qtype} GEMV m={m} best tile"] = best
+                row.update(repacked_cells(x, blocks, qtype, row[f"{qtype} GEMV m={m}"], reps, a))
     return out
+
+
+def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
+    """The repacked GEMV on `blocks` (repacked here) at x's rows: time, GB/s, speed-up over the file-layout GEMV, its
+    relative difference from that kernel's output, and at one row (Q4_K, time allowing) a sweep of its tiles."""
+    from draftflow.layers import quant_gemv_repacked as rg
+    from draftflow.layers.quant_gemv import gemv
+    from draftflow.layers.quant_repack import repack
+
+    m, k = x.shape
+    packed = repack(blocks, qtype, k)
+    plan = rg.plan(m, blocks.shape[0], qtype, k, x.device, x.dtype)
+    want = gemv(x, blocks, qtype).float()
+    diff = float((rg.gemv(x, packed, qtype).float() - want).abs().max() / want.abs().max())
+    tiles = [plan[:3]]
+    if m == 1 and qtype == "Q4_K" and a.sweep_repacked and not a.tiny and time.monotonic() - a.t0 < a.sweep_until_s:
+        tiles += [t for t in SWEEP_REPACKED if t != plan[:3]]
+    cells = {}
+    for bn, units, warps in tiles:
+        kw = {"block_n": bn, "units": units, "num_warps": warps}
+        ms = kernel_ms(lambda: rg.gemv(x, packed, qtype, **kw), reps, a.rounds)
+        cell = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6, "file_GBps": blocks.nbytes / ms / 1e6,
+                "speedup": old["us"] / (ms * 1e3), "block_n": bn, "units": units, "warps": warps, "split": plan.split}
+        key = f"{qtype} repacked m={m}" if (bn, units, warps) == plan[:3] else f"{qtype} repacked m={m} {bn}/{units}/{warps}"
+        cells[key] = cell
+    cells[f"{qtype} repacked m={m}"]["rel_diff_vs_old"] = diff
+    return cells
 
 
 def table(res: dict) -> str:
     lines = [f"copy bandwidth {res['copy_TBps']:.2f} TB/s; {res.get('device', '')}", "",
-             f"{'config':<8} {'GB read':>8} {'floor ms':>9} {'1-tok ms':>9} {'tok/s':>7} {'% floor':>8} "
+             f"{'config':<10} {'GB read':>8} {'floor ms':>9} {'1-tok ms':>9} {'tok/s':>7} {'% floor':>8} {'% read':>7} "
              f"{'16-tok ms':>10} {'16/1':>6} {'prefill512 ms':>14} {'GEMV err':>9}"]
     for name, r in res.get("configs", {}).items():
         if "error" in r:
-            lines.append(f"{name:<8} error: {r['error']}")
+            lines.append(f"{name:<10} error: {r['error']}")
             continue
         err = r.get("gemv_rel_err")
         if "tiles" in r:
             lines.append(f"{name} with the sweep's best GEMV tiles {r['tiles']}:")
-        lines.append(f"{name[:8]:<8} {r['weight_bytes_read'] / 1e9:>8.2f} {r['floor_ms']:>9.3f} {r['w1_ms']:>9.3f} "
-                     f"{r['tok_s']:>7.1f} {r['pct_of_floor']:>7.1f}% {r['w16_ms']:>10.3f} {r['w16_over_w1']:>6.2f} "
+        lines.append(f"{name[:10]:<10} {r['weight_bytes_read'] / 1e9:>8.2f} {r['floor_ms']:>9.3f} {r['w1_ms']:>9.3f} "
+                     f"{r['tok_s']:>7.1f} {r['pct_of_floor']:>7.1f}% {r['pct_of_read_floor']:>6.1f}% {r['w16_ms']:>10.3f} "
+                     f"{r['w16_over_w1']:>6.2f} "
                      f"{'-' if r['prefill_512_ms'] is None else format(r['prefill_512_ms'], '.2f'):>14} "
                      f"{'-' if err is None else f'{err:.1e}':>9}")
     bf16 = res.get("configs", {}).get("bf16", {}).get("tok_s")
@@ -229,8 +271,10 @@ def table(res: dict) -> str:
             continue
         lines.append("")
         lines.append(f"{shape}:")
-        lines += [f"  {k:<24} {v['us']:>9.1f} us {v['GBps']:>8.0f} GB/s"
-                  + (f"  (BLOCK_N {v['block_n']}, {v['warps']} warps, split {v.get('split')})" if v.get("block_n") else "")
+        lines += [f"  {k:<32} {v['us']:>9.1f} us {v['GBps']:>8.0f} GB/s"
+                  + (f" ({v['file_GBps']:.0f} of file bytes, {v['speedup']:.2f}x old)" if "file_GBps" in v else "")
+                  + (f"  (BLOCK_N {v['block_n']}" + (f", {v['units']} units" if "units" in v else "")
+                     + f", {v['warps']} warps, split {v.get('split')})" if v.get("block_n") else "")
                   for k, v in row.items()]
     return "\n".join(lines)
 
@@ -255,15 +299,22 @@ def run(a) -> dict:
     gt.guarded(res, "projections", lambda: projections(cfg, a, totals))  # first: its sweep stops at --sweep-until-s
     model = gt.build_model(cfg, seed=0)
     results: dict = {}
+    last = "bf16"
     for config in a.configs.split(","):
-        if config != "bf16":
+        base, _, how = config.partition("+")
+        if base != "bf16" and not (how and base == last):  # `q4_k_m+r` after `q4_k_m`: the same bytes, repacked
             gt.guarded(None, f"quantize {config}", lambda config=config: quantize_model(model, config, seed=1))
+        if how:
+            from draftflow.layers.quant_linear import repack_all
+
+            gt.guarded(None, f"repack {config}", lambda: repack_all(model))
+        last = base
         results[config] = gt.guarded(None, config, lambda: measure(model, cfg, bw, a))
         if config != "bf16" and "error" not in results[config]:
             results[config]["gemv_rel_err"] = gt.guarded(None, "check", lambda config=config: check_product(model, config))
         res.save("configs", results)
     tiles = best_tiles(totals)
-    if tiles != qk.GEMV_TILES and config != "bf16" and not a.tiny:  # the last configuration again with the sweep's tiles
+    if tiles != qk.GEMV_TILES and config != "bf16" and "+" not in config and not a.tiny:  # the last configuration again with the sweep's tiles
         qk.GEMV_TILES = tiles  # a benchmark-only override: the kernels read it per call
         results[f"{config} tuned"] = gt.guarded(None, "tuned", lambda: measure(model, cfg, bw, a))
         results[f"{config} tuned"]["tiles"] = {("tl.dot" if k else "FMA"): v for k, v in tiles.items()}
@@ -293,15 +344,17 @@ def main() -> int:
                    "replace its projections): " + ", ".join(CONFIGS))
     p.add_argument("--reps", type=int, default=50, help="graph replays per timing round")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is kept)")
-    p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the GEMV tile sweep")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the file-layout GEMV's tile sweep")
+    p.add_argument("--no-repacked-sweep", dest="sweep_repacked", action="store_false",
+                   help="skip the repacked GEMV's one-row tile sweep (Q4_K)")
     p.add_argument("--sweep-until-s", type=float, default=75, help="skip the sweep's remaining shapes past this time")
-    p.add_argument("--quick", action="store_true", help="< 90 s on an H200: the projection table without the sweep, "
-                   "then bf16 and q4_k_m decode (1- and 16-token windows; no prefill)")
+    p.add_argument("--quick", action="store_true", help="< 4 min on an H200: the projection table (old, repacked with "
+                   f"its one-row sweep, cuBLAS), then {QUICK} decode (1- and 16-token windows; no prefill)")
     a = p.parse_args()
     if a.quick:
         a.sweep, a.rounds, a.reps = False, 3, 30
         if a.configs == ",".join(CONFIGS):
-            a.configs = "bf16,q4_k_m"
+            a.configs = QUICK
     if a.tiny:
         a.rounds = 1
     res = run(a)

@@ -38,6 +38,17 @@ def weight_bytes(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return quantize_k(rows, qtype) if qtype.endswith("_K") else gguf.quants.quantize(rows, T[qtype])
 
 
+def random_bytes(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, row bytes] uint8: random quant bytes in the block layout with small finite fp16 scales (fast at 8B sizes)."""
+    rng = np.random.default_rng(seed)
+    block, size = LAYOUT[qtype]
+    data = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    for at in {"Q4_K": (0, 2), "Q6_K": (208,)}.get(qtype, (0,)):
+        scale = (rng.uniform(2e-3, 1e-2, len(data)) * rng.choice([-1, 1], len(data))).astype(np.float16)
+        data[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return data.reshape(n, k // block * size)
+
+
 def reference(data: np.ndarray, qtype: str) -> torch.Tensor:
     """gguf's numpy dequantization, float32 [n, k]."""
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, T[qtype]), dtype=np.float32))
@@ -172,7 +183,7 @@ def test_cuda_repacked_gemv_against_file_kernel_and_torch(qtype, shape):
     """At 8B shapes the repack (on the GPU) dequantizes to gguf's values; the repacked GEMV (1, 2, 4, 5, 16, 33, 64
     rows, bf16 and float32) agrees with the file-layout kernel and with torch on the dequantized weight."""
     n, k = SHAPES_8B[shape]
-    data = torch.from_numpy(weight_bytes(qtype, n, k, seed=11)).cuda()
+    data = torch.from_numpy(random_bytes(qtype, n, k, seed=11)).cuda()
     packed = qr.repack(data, qtype, k)
     w = qk.dequantize(data, qtype, k, torch.float32)
     assert torch.equal(rg.dequantize(packed, qtype, k, torch.float32), w)
@@ -192,7 +203,8 @@ def test_cuda_repacked_gemv_against_file_kernel_and_torch(qtype, shape):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_repacked_gemv_replays_in_a_cuda_graph():
     """A captured repacked product (split-K partials + reduce) replays with new inputs and gives the eager result."""
-    lin, _ = _linear("Q4_K", 4096, 4096, seed=13)
+    lin = QuantLinear("Q4_K", 4096, 4096, device="cuda")
+    lin.blocks.copy_(torch.from_numpy(random_bytes("Q4_K", 4096, 4096, seed=13)))
     lin.repack()
     for m in (1, 16):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
