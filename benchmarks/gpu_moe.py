@@ -38,6 +38,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -222,15 +223,21 @@ def session_rows(model, drafter, tcfg_d: dict, dcfg_d: dict, dev: str, budget: i
     for label, dr in (("session target-only", None), ("session dflash (random)", drafter)):
         if dev == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        session = spec_session.open_session(dev, model, tcfg_d, dr, dcfg_d if dr is not None else None,
-                                            max_context=a.context, budget=budget)
         try:
-            prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=torch.Generator().manual_seed(4))
-            row = spec_session.plan_row(session)
-            row.update(spec_session.cycles(session, prompt.tolist(), max(1, a.tokens // 2), rounds=2,
-                                           warm=2 if a.tiny else 4, sync_cycles=2 if a.tiny else 4, temperature=1.0))
-        finally:
-            spec_session.close(session)
+            session = spec_session.open_session(dev, model, tcfg_d, dr, dcfg_d if dr is not None else None,
+                                                max_context=a.context, budget=budget)
+            try:
+                prompt = torch.randint(0, model.config.vocab_size, (a.prompt,), generator=torch.Generator().manual_seed(4))
+                row = spec_session.plan_row(session)
+                row.update(spec_session.cycles(session, prompt.tolist(), max(1, a.tokens // 2), rounds=2,
+                                               warm=2 if a.tiny else 4, sync_cycles=2 if a.tiny else 4, temperature=1.0))
+            finally:
+                spec_session.close(session)
+        except Exception as exc:  # noqa: BLE001 - one failed graph must not lose the other fractions' rows
+            traceback.print_exc()
+            print(f"{label}: {type(exc).__name__}: {exc}"[:400], flush=True)
+            rows.append((label + ", failed", {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}))
+            continue
         rows.append((label + (", graphs" if row["graphs"] else ", eager"), row))
     return rows
 
@@ -330,7 +337,8 @@ def main() -> None:
             save()
         for label, row in [] if a.no_session else session_rows(model, drafter, tcfg_d, dcfg_d, dev, budget, a):
             res["runs"].append({**common, "run": label, **row})
-            print_row(frac, r_spec, r_only, cost, label, row)
+            if "error" not in row:
+                print_row(frac, r_spec, r_only, cost, label, row)
             save()
     model.set_expert_cache(max(total // 4, len(cfg.moe_layers) * cfg.num_experts_per_tok), grouped)  # a device-path cache
     res["miss"] = miss_costs(model, dev)
