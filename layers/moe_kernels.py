@@ -288,9 +288,9 @@ def _probe_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr):
 def host_reads_work(pinned: torch.Tensor) -> bool:
     """Whether a Triton kernel on this device can read `pinned` host memory directly (mapped pinned memory under
     unified addressing): the expert cache's misses are served that way, else they are uploaded per window."""
-    if not pinned.is_pinned() or pinned.numel() < 16:
+    if not pinned.is_pinned() or pinned.shape[-1] < 16:
         return False
-    src = pinned.reshape(-1)[:16]
+    src = pinned[(0,) * (pinned.dim() - 1)][:16]  # a view of the first row (reshape would copy a strided stack)
     dst = torch.zeros(16, dtype=pinned.dtype, device="cuda")
     try:
         _probe_kernel[(1,)](src, dst, BLOCK=16)
