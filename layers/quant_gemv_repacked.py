@@ -1,11 +1,16 @@
 """Split-K GEMV over repacked GGUF weights (layers/quant_repack.py): decode and verify windows (issue 20, item 2).
 
 Same contract as quant_gemv.gemv (x [M, K] times W^T for M <= GEMV_MAX_ROWS, bias, column-slice
-outputs, deterministic float32 partials summed in order by quant_gemv's reduce kernel, no host
-sync, CUDA-graph capturable), over the repacked rows. A program owns BLOCK_N output features and
-a range of the row's 16-byte units; one loop step loads a [BLOCK_N, U, 4] int32 tile, so each
-thread issues one 16-byte load per row it holds (several rows per thread: R = BLOCK_N over the
-rows one layout repetition covers), and the tile is BLOCK_N * U * 16 bytes in flight.
+outputs, deterministic split-K, no host sync, CUDA-graph capturable), over the repacked rows. The
+float32 partials of a row tile's SPLIT programs are summed in a fixed order by the last of them to
+arrive (an acquire-release counter per tile, left at zero; up to FUSED_MAX_ROWS rows), so a GEMV is
+one launch, not two (an 8B decode step has 144 GEMVs); more rows use quant_gemv's reduce kernel.
+
+A program owns BLOCK_N output features and a range of the row's 16-byte units; one loop step
+loads a [BLOCK_N, U, 4] int32 tile, so each thread issues one 16-byte load per row it holds
+(several rows per thread: R = BLOCK_N over the rows one layout repetition covers), and the tile
+is BLOCK_N * U * 16 bytes in flight. The one-row path keeps every tensor in that tile's shape,
+so Triton converts no layout inside the loop (no shared memory, no barriers).
 
 Dequantization per weight is one AND/OR and one float subtract: field j of a word, masked in
 place and OR-ed under the exponent of 2^23, is the float c * 2^(BITS*j') exactly (fields above
@@ -13,12 +18,13 @@ bit 22 are first shifted down once per word), so no shift and no int -> float co
 weight; the 2^-(BITS*j') goes into the scale (tensor-core path) or the activation (multiply-add
 path). The scale s and offset o of a unit's group are formed once per (row, unit) in float32.
 
-- Up to DOT_MIN_ROWS - 1 rows, multiply-adds in factored form: per group, t = sum_k x_k c_k in
+- One row (DOT_MIN_ROWS - 1), multiply-adds in factored form: per group, t = sum_k x_k c_k in
   per-lane float32 sums, then s * t + o * sum_k x_k; the activations' scaling and group sums
   are amortized over the R rows a thread holds. One multiply-add per weight and row.
 - From DOT_MIN_ROWS rows, w = c * s + o (gguf's value, exact) per field plane, rounded to the
   activation dtype as a model dequantized at load holds it (float32: IEEE float32 products), and
-  one tensor-core tl.dot per plane with K = 4 U.
+  one tensor-core tl.dot per plane with K = 4 U; up to SWAP_MAX_ROWS rows the weight tile is the
+  dot's A operand (out^T = W x^T: its conversion to the MMA layout is the cheaper one).
 
 `plan` picks (BLOCK_N, U, warps, SPLIT) by rows and shape; the tiles are reasoned for sm_90 and
 checked by the compile test (registers, no spills, no I2F); benchmarks/gpu_quant.py sweeps them.
@@ -44,6 +50,19 @@ PROGRAMS_PER_SM = 8  # ~4-6 programs of 4 warps fit on an SM at < 100 registers;
 PARTIAL_SHARE = 0.25
 MAX_SPLIT = 16
 MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
+FUSED_REDUCE = True  # split-K partials summed by each tile's last-arriving program (one launch); False: _reduce_kernel
+COUNTERS = 1 << 16  # arrival counters per (device, stream): row tiles of one launch, at most
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """int32 zeros, one per row tile, for launches on the current stream (the kernels leave them zeroed). Never
+    freed or replaced: a captured CUDA graph keeps their address (a capture allocates its own, on its stream)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 class Plan(NamedTuple):
@@ -56,10 +75,12 @@ class Plan(NamedTuple):
 # (BLOCK_N, U, warps) by path, from the sm_90 compile (tests/layers/test_quant_repacked_compile.py). One row: 4 warps
 # cover 16 rows of 8 units, so BLOCK_N 64 gives each thread 4 rows (the activations' scaling and group sums
 # amortized 4x) and 4 x 16 B of loads; a step is 8 KB; 96 registers, ~5.1 instructions a Q4_K weight. bf16 tl.dot
-# up to 16 rows: the weight tile is the dot's A operand (out^T = W x^T; ~6.3 instructions a weight, 116 registers);
-# more rows: x is A (127 registers); float32 activations (IEEE products on CUDA cores, tests): 16 x 4 units.
+# up to 32 rows: the weight tile is the dot's A operand (out^T = W x^T; ~6.3-6.5 instructions a weight, <= 126
+# registers with the fused reduction); more rows: x is A and a second kernel sums the partials (127 registers;
+# fused: 152); float32 activations (IEEE products on CUDA cores, tests): 16 x 4 units.
 TILES = {"fma": (64, 8, 4), "dot": (64, 8, 4), "dot_wide": (64, 8, 4), "dot_fp32": (16, 4, 4)}
-SWAP_MAX_ROWS = 16  # bf16 tl.dot with the weight as the A operand up to this many rows
+SWAP_MAX_ROWS = 32  # bf16 tl.dot with the weight as the A operand up to this many rows
+FUSED_MAX_ROWS = 32  # the last-arriver reduction up to this many rows
 
 
 def tile(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -150,15 +171,16 @@ def _group_scales(b8_ptr, h_ptr, rowb, units, goff, soff, live, QTYPE: tl.conste
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, M, N, row_words, goff, soff, n_units, per_split,
+    x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, row_words, goff, soff, n_units, per_split,
     stride_xm, stride_om, magic,
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, NATIVE: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr,
+    OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
 ):
     # x: [M, K]; w / b8 / h: the repacked rows as int32 / uint8 / float16 (one tensor); program (i, r): features
     # i*BLOCK_N.. over units r*per_split.. (whole U-unit steps). Rows past N read row N-1 and are not stored.
-    # DIRECT: bias, round, store into out [M, N]; else float32 partials into part [SPLIT, M, N].
+    # DIRECT (SPLIT 1): bias, round, store into out [M, N]; else float32 partials into part [SPLIT, M, N], summed
+    # by the tile's last-arriving program (FUSED: its count_ptr counter, left at zero) or by _reduce_kernel.
     GW: tl.constexpr = 128 // BITS  # weights per unit
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     safe = tl.minimum(rows, N - 1)
@@ -215,13 +237,23 @@ def _gemv_kernel(
     elif SWAP:
         acc += tl.trans(acc_t)
     store = live_m[:, None] & (rows[None, :] < N)
-    if DIRECT:
+    if not DIRECT:
+        tl.store(part_ptr + (tl.program_id(1) * M + ms[:, None]) * N + rows[None, :], acc, mask=store)
+    if SPLIT > 1 and FUSED:  # the last of the tile's SPLIT programs to arrive sums the partials, in order
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel") + 1
+        store = store & ((rows[None, :] * 0 + done) == SPLIT)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for sp in tl.static_range(SPLIT):  # fixed order: deterministic
+            acc += tl.load(part_ptr + (sp * M + ms[:, None]) * N + rows[None, :], mask=store, other=0.0,
+                           cache_modifier=".cg")
+        if done == SPLIT:
+            tl.store(count_ptr + tl.program_id(0), 0)  # ready for the next launch (or graph replay)
+    if DIRECT or FUSED:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + safe).to(tl.float32)[None, :]
         acc = _round(acc, OUT_BF16)
         tl.store(out_ptr + ms[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=store)
-    else:
-        tl.store(part_ptr + (tl.program_id(1) * M + ms[:, None]) * N + rows[None, :], acc, mask=store)
 
 
 @triton.jit
@@ -270,6 +302,7 @@ def gemv(
     units: int | None = None,
     num_warps: int | None = None,
     split_k: int | None = None,
+    fused_reduce: bool | None = None,  # None: FUSED_REDUCE
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """x @ W^T reading every repacked weight byte once for all M rows (M <= GEMV_MAX_ROWS)."""
     m, k = x.shape
@@ -284,14 +317,18 @@ def gemv(
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     common = dict(HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16)
-    _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, w32, w8, w16, bias if bias is not None else x, out, part, m, n, row_words, goff, soff, n_units, per,
+    tiles = triton.cdiv(n, block_n)
+    fused = split > 1 and (FUSED_REDUCE if fused_reduce is None else fused_reduce) and tiles <= COUNTERS \
+        and m <= FUSED_MAX_ROWS
+    count = _counters(x.device) if fused else part
+    _gemv_kernel[(tiles, split)](
+        x, w32, w8, w16, bias if bias is not None else x, out, part, count, m, n, row_words, goff, soff, n_units, per,
         x.stride(0), out.stride(0), MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=units, BLOCK_M=block_m,
         BLOCK_N=block_n, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, NATIVE=not _INTERPRETED,
         DIRECT=split == 1, EVEN=n_units % units == 0, SWAP=m <= SWAP_MAX_ROWS and x.dtype != torch.float32,
-        **common, num_warps=warps,
+        SPLIT=split, FUSED=fused, **common, num_warps=warps,
     )
-    if split > 1:
+    if split > 1 and not fused:
         _reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
             part, bias if bias is not None else part, out, m, n, out.stride(0), SPLIT=split, BLOCK=REDUCE_BLOCK,
             **common, num_warps=4,
