@@ -215,12 +215,14 @@ def _gemv_kernel(
                 x = tl.load(x_ptr + ms[:, None] * stride_xm + xoff[None, :], mask=live_x, other=0.0)  # [BM, 4U]
                 if IEEE:  # float32 activations: IEEE float32 products, as a float32 model's matmul
                     acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                elif NATIVE:  # 16-bit activations: the weight rounded as a dequantized 16-bit model holds it
-                    if SWAP:
+                elif SWAP:  # out^T = W x^T, the weight rounded as a dequantized 16-bit model holds it
+                    if NATIVE:
                         acc_t += tl.dot(w.to(x.dtype), tl.trans(x))
-                    else:
-                        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-                else:  # (interpreter) the same products in float32
+                    else:  # (interpreter) the same products in float32
+                        acc_t += tl.dot(_round(w, True), tl.trans(x.to(tl.float32)), input_precision="ieee")
+                elif NATIVE:
+                    acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                else:
                     acc += tl.dot(x.to(tl.float32), tl.trans(_round(w, True)), input_precision="ieee")
         else:  # one row: everything in the weight tile's [BN, U, 4] shape, so no layout conversion
             t = tl.zeros([BLOCK_N, U, 4], dtype=tl.float32)
