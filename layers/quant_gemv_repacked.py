@@ -175,7 +175,7 @@ def _gemv_kernel(
     stride_xm, stride_om, magic,
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, NATIVE: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+    OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, FUSED: tl.constexpr,
 ):
     # x: [M, K]; w / b8 / h: the repacked rows as int32 / uint8 / float16 (one tensor); program (i, r): features
     # i*BLOCK_N.. over units r*per_split.. (whole U-unit steps). Rows past N read row N-1 and are not stored.
@@ -241,15 +241,16 @@ def _gemv_kernel(
     store = live_m[:, None] & (rows[None, :] < N)
     if not DIRECT:
         tl.store(part_ptr + (tl.program_id(1) * M + ms[:, None]) * N + rows[None, :], acc, mask=store)
-    if SPLIT > 1 and FUSED:  # the last of the tile's SPLIT programs to arrive sums the partials, in order
+    if FUSED:  # the last of the tile's programs to arrive sums the partials, in order
+        split = tl.num_programs(1)
         tl.debug_barrier()  # every thread's partials are written before the release below
         done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel") + 1
-        store = store & ((rows[None, :] * 0 + done) == SPLIT)
+        store = store & ((rows[None, :] * 0 + done) == split)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for sp in tl.static_range(SPLIT):  # fixed order: deterministic
+        for sp in range(0, split):  # fixed order: deterministic
             acc += tl.load(part_ptr + (sp * M + ms[:, None]) * N + rows[None, :], mask=store, other=0.0,
                            cache_modifier=".cg")
-        if done == SPLIT:
+        if done == split:
             tl.store(count_ptr + tl.program_id(0), 0)  # ready for the next launch (or graph replay)
     if DIRECT or FUSED:
         if HAS_BIAS:
@@ -328,7 +329,7 @@ def gemv(
         x.stride(0), out.stride(0), MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=units, BLOCK_M=block_m,
         BLOCK_N=block_n, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, NATIVE=not _INTERPRETED,
         DIRECT=split == 1, EVEN=n_units % units == 0, SWAP=m <= SWAP_MAX_ROWS and x.dtype != torch.float32,
-        SPLIT=split, FUSED=fused, **common, num_warps=warps,
+        FUSED=fused, **common, num_warps=warps,
     )
     if split > 1 and not fused:
         _reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
