@@ -12,14 +12,14 @@ loads a [BLOCK_N, U, 4] int32 tile, so each thread issues one 16-byte load per r
 is BLOCK_N * U * 16 bytes in flight. The one-row path keeps every tensor in that tile's shape,
 so Triton converts no layout inside the loop (no shared memory, no barriers).
 
-Dequantization per weight is one AND/OR and one float subtract: field j of a word, masked in
-place and OR-ed under the exponent of 2^23, is the float c * 2^(BITS*j') exactly (fields above
-bit 22 are first shifted down once per word), so no shift and no int -> float conversion per
-weight; the 2^-(BITS*j') goes into the scale (tensor-core path) or the activation (multiply-add
-path). The scale s and offset o of a unit's group are formed once per (row, unit) in float32.
+Dequantization per weight is one AND/OR and one float subtract: a field of a word, masked in
+place at bit P and OR-ed under the exponent of 2^(23 - P), is the float 2^(23 - P) + c exactly
+(fields above bit 22 are first shifted down once per word), so no shift and no int -> float
+conversion per weight. The scale s and offset o of a unit's group are formed once per (row,
+unit) in float32.
 
 - One row (DOT_MIN_ROWS - 1), multiply-adds in factored form: per group, t = sum_k x_k c_k in
-  per-lane float32 sums, then s * t + o * sum_k x_k; the activations' scaling and group sums
+  per-lane float32 sums, then s * t + o * sum_k x_k; the activations' conversion and group sums
   are amortized over the R rows a thread holds. One multiply-add per weight and row.
 - From DOT_MIN_ROWS rows, w = c * s + o (gguf's value, exact) per field plane, rounded to the
   activation dtype as a model dequantized at load holds it (float32: IEEE float32 products), and
@@ -73,12 +73,12 @@ class Plan(NamedTuple):
 
 
 # (BLOCK_N, U, warps) by path, from the sm_90 compile (tests/layers/test_quant_repacked_compile.py). One row: 4 warps
-# cover 16 rows of 8 units, so BLOCK_N 64 gives each thread 4 rows (the activations' scaling and group sums
-# amortized 4x) and 4 x 16 B of loads; a step is 8 KB; 96 registers, ~5.1 instructions a Q4_K weight. bf16 tl.dot
+# cover 16 rows of 8 units, so BLOCK_N 64 gives each thread 4 rows (the activations' conversion and group sums
+# amortized 4x) and 4 x 16 B of loads; a step is 8 KB; 127 registers, ~4.8 instructions a Q4_K weight. bf16 tl.dot
 # up to 32 rows: the weight tile is the dot's A operand (out^T = W x^T; ~6.3-6.5 instructions a weight, <= 126
 # registers with the fused reduction); more rows: x is A and a second kernel sums the partials (127 registers;
-# fused: 152); float32 activations (IEEE products on CUDA cores, tests): 16 x 4 units.
-TILES = {"fma": (64, 8, 4), "dot": (64, 8, 4), "dot_wide": (64, 8, 4), "dot_fp32": (16, 4, 4)}
+# fused: 152); float32 activations (IEEE products on CUDA cores, tests): 16 x 4 units, 8 warps.
+TILES = {"fma": (64, 8, 4), "dot": (64, 8, 4), "dot_wide": (64, 8, 4), "dot_fp32": (16, 4, 8)}
 SWAP_MAX_ROWS = 32  # bf16 tl.dot with the weight as the A operand up to this many rows
 FUSED_MAX_ROWS = 32  # the last-arriver reduction up to this many rows
 
@@ -114,27 +114,20 @@ def plan(m: int, n: int, qtype: str, k: int, device: torch.device, dtype: torch.
 
 @triton.jit
 def _plane(words, high, magic, J: tl.constexpr, BITS: tl.constexpr):
-    # Field J of every word as float32 c * 2^(BITS * JP), exactly, and 2^-(BITS * JP). The field masked in place and
-    # OR-ed with `magic` (2^23's bits, 0x4B000000) is the float 2^23 + c * 2^(BITS * JP) while the field stays below
-    # bit 23 (fields 0-4 of 4 bits, 0-1 of 8); higher fields come from `high`, the words shifted down once (by 12 or
-    # 16 bits). `magic` is a run-time argument so the compiler keeps it in a register and the AND/OR is one LOP3
-    # with the mask as its immediate (two constants would cost a MOV per field).
+    # Field J of every word as float32 codes, exactly, with one AND/OR and one subtract: a field left in place at bit
+    # P (masked; fields above bit 22 come from `high`, the words shifted down once by 12 or 16 bits) and OR-ed under
+    # the exponent of 2^(23 - P) is the float 2^(23 - P) + c. `magic` (2^23's bits, 0x4B000000) is a run-time
+    # argument so the compiler keeps the exponents in registers and each AND/OR is one LOP3 with the mask as its
+    # immediate (two constants would cost a MOV per field).
     if BITS == 4:
-        if J < 5:
-            v = words & (15 << (4 * J))
-            inv = (127 - 4 * J) << 23
-        else:
-            v = high & (15 << (4 * J - 12))
-            inv = (127 - (4 * J - 12)) << 23
+        P: tl.constexpr = 4 * J if J < 5 else 4 * J - 12
+        src = words if J < 5 else high
+        v = src & (15 << P)
     else:
-        if J < 2:
-            v = words & (255 << (8 * J))
-            inv = (127 - 8 * J) << 23
-        else:
-            v = high & (255 << (8 * J - 16))
-            inv = (127 - (8 * J - 16)) << 23
-    q = (v | magic).to(tl.float32, bitcast=True) - 8388608.0
-    return q, tl.full([1], inv, tl.int32).to(tl.float32, bitcast=True)
+        P: tl.constexpr = 8 * J if J < 2 else 8 * J - 16
+        src = words if J < 2 else high
+        v = src & (255 << P)
+    return (v | (magic - (P << 23))).to(tl.float32, bitcast=True) - float(1 << (23 - P))
 
 
 @triton.jit
@@ -198,7 +191,7 @@ def _gemv_kernel(
         c = tl.arange(0, 4 * U)  # the dot's K index: unit c // 4, word c % 4
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([BLOCK_N, U], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, U, 4], dtype=tl.float32)
     for u0 in range(first, last, U):
         units = u0 + ui  # [U]
         live_u = (units < last) | EVEN
@@ -209,8 +202,8 @@ def _gemv_kernel(
             live_c = ((u0 + c // 4) < last) | EVEN
             live_x = live_m[:, None] & live_c[None, :]
             for j in tl.static_range(32 // BITS):
-                q, inv = _plane(words, high, magic, j, BITS)
-                w = tl.reshape(q * (s * inv)[:, :, None] + o[:, :, None], [BLOCK_N, 4 * U])  # gguf's values
+                q = _plane(words, high, magic, j, BITS)
+                w = tl.reshape(q * s[:, :, None] + o[:, :, None], [BLOCK_N, 4 * U])  # gguf's values
                 xoff = (u0 + c // 4) * GW + 4 * j + c % 4
                 x = tl.load(x_ptr + ms[:, None] * stride_xm + xoff[None, :], mask=live_x, other=0.0)  # [BM, 4U]
                 if IEEE:  # float32 activations: IEEE float32 products, as a float32 model's matmul
@@ -226,16 +219,16 @@ def _gemv_kernel(
                     acc += tl.dot(x.to(tl.float32), tl.trans(_round(w, True)), input_precision="ieee")
         else:  # one row: everything in the weight tile's [BN, U, 4] shape, so no layout conversion
             t = tl.zeros([BLOCK_N, U, 4], dtype=tl.float32)
-            xs = tl.zeros([U], dtype=tl.float32)
+            xs = tl.zeros([U, 4], dtype=tl.float32)  # per lane: summed over the lanes once, after the loop
             for j in tl.static_range(32 // BITS):
-                q, inv = _plane(words, high, magic, j, BITS)  # [BN, U, 4]
+                q = _plane(words, high, magic, j, BITS)  # [BN, U, 4]
                 xoff = units[:, None] * GW + 4 * j + wi[None, :]  # [U, 4]: 4 consecutive weights
                 x = tl.load(x_ptr + xoff, mask=live_u[:, None], other=0.0).to(tl.float32)  # [U, 4]
-                xs += tl.sum(x, axis=1)
-                t += (x * inv)[None, :, :] * q
-            acc3 += tl.sum(t, axis=2) * s + o * xs[None, :]
+                xs += x
+                t += x[None, :, :] * q
+            acc3 += t * s[:, :, None] + o[:, :, None] * xs[None, :, :]
     if not USE_DOT:
-        acc = tl.sum(acc3, axis=1)[None, :]  # [1, BN]
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]  # [1, BN]
     elif SWAP:
         acc += tl.trans(acc_t)
     store = live_m[:, None] & (rows[None, :] < N)
@@ -278,8 +271,8 @@ def _dequant_kernel(w_ptr, b8_ptr, h_ptr, out_ptr, N, K, row_words, goff, soff, 
     live = (rows[:, None, None] < N) & live_u[None, :, None]
     orow = out_ptr + safe.to(tl.int64)[:, None, None] * K
     for j in tl.static_range(32 // BITS):
-        q, inv = _plane(words, high, magic, j, BITS)
-        w = _round(q * (s * inv)[:, :, None] + o[:, :, None], OUT_BF16)
+        q = _plane(words, high, magic, j, BITS)
+        w = _round(q * s[:, :, None] + o[:, :, None], OUT_BF16)
         tl.store(orow + (units[None, :, None] * GW + 4 * j + wi[None, None, :]), w.to(out_ptr.dtype.element_ty),
                  mask=live)
 
