@@ -127,7 +127,7 @@ def _plane(words, high, magic, J: tl.constexpr, BITS: tl.constexpr):
         P: tl.constexpr = 8 * J if J < 2 else 8 * J - 16
         src = words if J < 2 else high
         v = src & (255 << P)
-    return (v | (magic - (P << 23))).to(tl.float32, bitcast=True) - float(1 << (23 - P))
+    return (v | (magic - (P << 23))).to(tl.float32, bitcast=True) - (1 << (23 - P)) * 1.0
 
 
 @triton.jit
