@@ -6,7 +6,8 @@
 
 Configurations (issue 20): BF16 (the dequantized path: cuBLAS), Q8_0, Q6_K and Q4_K_M for every
 attention and MLP projection, each with the file-layout kernels (quant_gemv) or, with a `+r` suffix,
-repacked at load (quant_repack, quant_gemv_repacked: the same random bytes when `+r` follows its base); Q4_K_M is Q4_K with Q6_K for attn_v and ffn_down in the layers
+repacked at load (quant_repack, quant_gemv_repacked: the same random bytes when `+r` follows its
+base); Q4_K_M is Q4_K with Q6_K for attn_v and ffn_down in the layers
 llama.cpp's `use_more_bits` picks (the first and last eighth and every third between: 18 of 36).
 The embedding and LM head stay bf16 in all of them (the loader keeps them dequantized).
 
@@ -51,7 +52,9 @@ SCALES = {"Q8_0": ((0, 5e-4),), "Q4_0": ((0, 1e-2),), "Q4_1": ((0, 5e-3), (2, 4e
           "Q6_K": ((208, 2e-5),)}
 SWEEP = ((2, 1), (4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))  # (BLOCK_N, warps) of the float32-FMA GEMV
 SWEEP_DOT = ((16, 4), (32, 4), (64, 4), (64, 8))  # of the tensor-core GEMV (16 rows)
-SWEEP_REPACKED = ((32, 8, 2), (64, 8, 2), (64, 16, 4), (128, 8, 4))  # (BLOCK_N, units, warps), repacked, one row
+# (BLOCK_N, units, warps, split; None: the plan's) of the repacked GEMV at one row (Q4_K): tiles, then splits
+SWEEP_REPACKED = ((32, 8, 2, None), (64, 16, 4, None), (128, 8, 4, None), (32, 8, 4, None), (64, 8, 4, 4),
+                  (64, 8, 4, 8), (64, 8, 4, 16))
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -130,7 +133,8 @@ def measure(model, cfg, bw: float, a) -> dict:
     nbytes, file_bytes = read_bytes(model), read_bytes(model, file_layout=True)
     floor_ms, read_floor_ms = file_bytes / (bw * 1e12) * 1e3, nbytes / (bw * 1e12) * 1e3
     return {"weight_bytes_read": nbytes, "file_bytes": file_bytes, "floor_ms": floor_ms, "read_floor_ms": read_floor_ms,
-            "w1_ms": w1, "tok_s": 1e3 / w1, "pct_of_floor": 100 * floor_ms / w1, "pct_of_read_floor": 100 * read_floor_ms / w1,
+            "w1_ms": w1, "tok_s": 1e3 / w1, "pct_of_floor": 100 * floor_ms / w1,
+            "pct_of_read_floor": 100 * read_floor_ms / w1,
             "w16_ms": w16, "w16_over_w1": w16 / w1, "prefill_512_ms": prefill_ms}
 
 
@@ -230,16 +234,17 @@ def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
     plan = rg.plan(m, blocks.shape[0], qtype, k, x.device, x.dtype)
     want = gemv(x, blocks, qtype).float()
     diff = float((rg.gemv(x, packed, qtype).float() - want).abs().max() / want.abs().max())
-    tiles = [plan[:3]]
+    tiles = [(*plan[:3], plan.split)]
     if m == 1 and qtype == "Q4_K" and a.sweep_repacked and not a.tiny and time.monotonic() - a.t0 < a.sweep_until_s:
-        tiles += [t for t in SWEEP_REPACKED if t != plan[:3]]
+        tiles += [(*t[:3], t[3] or plan.split) for t in SWEEP_REPACKED if (*t[:3], t[3] or plan.split) != tiles[0]]
     cells = {}
-    for bn, units, warps in tiles:
-        kw = {"block_n": bn, "units": units, "num_warps": warps}
+    for bn, units, warps, split in tiles:
+        kw = {"block_n": bn, "units": units, "num_warps": warps, "split_k": split}
         ms = kernel_ms(lambda: rg.gemv(x, packed, qtype, **kw), reps, a.rounds)
         cell = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6, "file_GBps": blocks.nbytes / ms / 1e6,
-                "speedup": old["us"] / (ms * 1e3), "block_n": bn, "units": units, "warps": warps, "split": plan.split}
-        key = f"{qtype} repacked m={m}" if (bn, units, warps) == plan[:3] else f"{qtype} repacked m={m} {bn}/{units}/{warps}"
+                "speedup": old["us"] / (ms * 1e3), "block_n": bn, "units": units, "warps": warps, "split": split}
+        tag = "" if (bn, units, warps, split) == tiles[0] else f" {bn}/{units}/{warps}/{split}"
+        key = f"{qtype} repacked m={m}{tag}"
         cells[key] = cell
     cells[f"{qtype} repacked m={m}"]["rel_diff_vs_old"] = diff
     if qtype == "Q4_K" and plan.split > 1 and m <= rg.FUSED_MAX_ROWS:  # what the fused split-K reduction saves
@@ -262,7 +267,8 @@ def table(res: dict) -> str:
         if "tiles" in r:
             lines.append(f"{name} with the sweep's best GEMV tiles {r['tiles']}:")
         lines.append(f"{name[:10]:<10} {r['weight_bytes_read'] / 1e9:>8.2f} {r['floor_ms']:>9.3f} {r['w1_ms']:>9.3f} "
-                     f"{r['tok_s']:>7.1f} {r['pct_of_floor']:>7.1f}% {r['pct_of_read_floor']:>6.1f}% {r['w16_ms']:>10.3f} "
+                     f"{r['tok_s']:>7.1f} {r['pct_of_floor']:>7.1f}% {r['pct_of_read_floor']:>6.1f}% "
+                     f"{r['w16_ms']:>10.3f} "
                      f"{r['w16_over_w1']:>6.2f} "
                      f"{'-' if r['prefill_512_ms'] is None else format(r['prefill_512_ms'], '.2f'):>14} "
                      f"{'-' if err is None else f'{err:.1e}':>9}")
@@ -319,7 +325,8 @@ def run(a) -> dict:
             results[config]["gemv_rel_err"] = gt.guarded(None, "check", lambda config=config: check_product(model, config))
         res.save("configs", results)
     tiles = best_tiles(totals)
-    if tiles != qk.GEMV_TILES and config != "bf16" and "+" not in config and not a.tiny:  # the last configuration again with the sweep's tiles
+    # the last configuration again with the sweep's tiles (the file-layout GEMV's)
+    if tiles != qk.GEMV_TILES and config != "bf16" and "+" not in config and not a.tiny:
         qk.GEMV_TILES = tiles  # a benchmark-only override: the kernels read it per call
         results[f"{config} tuned"] = gt.guarded(None, "tuned", lambda: measure(model, cfg, bw, a))
         results[f"{config} tuned"]["tiles"] = {("tl.dot" if k else "FMA"): v for k, v in tiles.items()}

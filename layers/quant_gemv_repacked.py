@@ -164,8 +164,8 @@ def _group_scales(b8_ptr, h_ptr, rowb, units, goff, soff, live, QTYPE: tl.conste
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, row_words, goff, soff, n_units, per_split,
-    stride_xm, stride_om, magic,
+    x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, row_words, goff, soff, n_units,
+    per_split, stride_xm, stride_om, magic,
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, NATIVE: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, FUSED: tl.constexpr,
@@ -339,7 +339,8 @@ def dequantize(packed: torch.Tensor, qtype: str, k: int, dtype: torch.dtype,
     n, units = packed.shape[0], 8
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(n_units, units))](
-        w32, w8, w16, out, n, k, row_words, goff, soff, n_units, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=units,
+        w32, w8, w16, out, n, k, row_words, goff, soff, n_units, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0],
+        U=units,
         BLOCK_N=block_n, OUT_BF16=dtype == torch.bfloat16, num_warps=4,
     )
     return out

@@ -98,7 +98,7 @@ class QuantLinear(nn.Module):
 
     def product(self, x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """x times the weight of `data` (this layer's type, layout and row width; more rows after `fuse_projections`)."""
+        """x times the weight of `data` (this layer's type, layout and row width; more rows after fusion)."""
         if self.packed is not None:
             from draftflow.layers.quant_gemv_repacked import repacked_matmul
 

@@ -122,7 +122,8 @@ def _decode(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tenso
         if qtype == "Q4_K":
             codes = _nibbles(blocks[..., 16:144], 32)
         else:
-            hb = (blocks[..., 16:48].to(torch.int32)[..., None, :] >> torch.arange(8, device=blocks.device)[:, None]) & 1
+            shifts = torch.arange(8, device=blocks.device)[:, None]
+            hb = (blocks[..., 16:48].to(torch.int32)[..., None, :] >> shifts) & 1
             codes = _nibbles(blocks[..., 48:176], 32) | (hb.flatten(-2) << 4)
         return codes.reshape(r, -1), gfields.reshape(r, -1, 2), blocks[..., 0:4]
     elif qtype == "Q6_K":
