@@ -46,7 +46,7 @@ from draftflow.layers.triton_kernels import _round
 
 DOT_MIN_ROWS = 2  # the multiply-add path is written for one row
 _CODE = {name: i for i, name in enumerate(RTYPES)}  # Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
-PROGRAMS_PER_SM = 8  # ~4-6 programs of 4 warps fit on an SM at < 100 registers; two waves of them
+PROGRAMS_PER_SM = 8  # 4 programs of 4 warps fit on an SM at 127 registers: about two waves of them
 PARTIAL_SHARE = 0.25
 MAX_SPLIT = 16
 MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
