@@ -52,9 +52,10 @@ SCALES = {"Q8_0": ((0, 5e-4),), "Q4_0": ((0, 1e-2),), "Q4_1": ((0, 5e-3), (2, 4e
           "Q6_K": ((208, 2e-5),)}
 SWEEP = ((2, 1), (4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))  # (BLOCK_N, warps) of the float32-FMA GEMV
 SWEEP_DOT = ((16, 4), (32, 4), (64, 4), (64, 8))  # of the tensor-core GEMV (16 rows)
-# (BLOCK_N, units, warps, split; None: the plan's) of the repacked GEMV at one row (Q4_K): tiles, then splits
-SWEEP_REPACKED = ((32, 8, 2, None), (64, 16, 4, None), (128, 8, 4, None), (32, 8, 4, None), (64, 8, 4, 4),
-                  (64, 8, 4, 8), (64, 8, 4, 16))
+# (BLOCK_N, units, warps, split, prefetch; None: the plan's) of the repacked GEMV at one row (Q4_K): tiles, splits,
+# loading the next step's tile during this one (Q8_0 and Q6_K try only that: they are memory-bound)
+SWEEP_REPACKED = ((32, 8, 2, None, False), (64, 16, 4, None, False), (128, 8, 4, None, False), (32, 8, 4, None, False),
+                  (64, 8, 4, 4, False), (64, 8, 4, 8, False), (64, 8, 4, 16, False), (64, 8, 4, None, True))
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -234,16 +235,18 @@ def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
     plan = rg.plan(m, blocks.shape[0], qtype, k, x.device, x.dtype)
     want = gemv(x, blocks, qtype).float()
     diff = float((rg.gemv(x, packed, qtype).float() - want).abs().max() / want.abs().max())
-    tiles = [(*plan[:3], plan.split)]
-    if m == 1 and qtype == "Q4_K" and a.sweep_repacked and not a.tiny and time.monotonic() - a.t0 < a.sweep_until_s:
-        tiles += [(*t[:3], t[3] or plan.split) for t in SWEEP_REPACKED if (*t[:3], t[3] or plan.split) != tiles[0]]
+    tiles = [(*plan[:3], plan.split, rg.PREFETCH)]
+    if m == 1 and a.sweep_repacked and not a.tiny and time.monotonic() - a.t0 < a.sweep_until_s:
+        sweep = [(*t[:3], t[3] or plan.split, t[4]) for t in SWEEP_REPACKED if qtype == "Q4_K" or t[4]]
+        tiles += [t for t in sweep if t != tiles[0]]
     cells = {}
-    for bn, units, warps, split in tiles:
-        kw = {"block_n": bn, "units": units, "num_warps": warps, "split_k": split}
+    for bn, units, warps, split, prefetch in tiles:
+        kw = {"block_n": bn, "units": units, "num_warps": warps, "split_k": split, "prefetch": prefetch}
         ms = kernel_ms(lambda: rg.gemv(x, packed, qtype, **kw), reps, a.rounds)
         cell = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6, "file_GBps": blocks.nbytes / ms / 1e6,
                 "speedup": old["us"] / (ms * 1e3), "block_n": bn, "units": units, "warps": warps, "split": split}
-        tag = "" if (bn, units, warps, split) == tiles[0] else f" {bn}/{units}/{warps}/{split}"
+        tag = "" if (bn, units, warps, split, prefetch) == tiles[0] else \
+            f" {bn}/{units}/{warps}/{split}" + (" prefetch" if prefetch else "")
         key = f"{qtype} repacked m={m}{tag}"
         cells[key] = cell
     cells[f"{qtype} repacked m={m}"]["rel_diff_vs_old"] = diff

@@ -50,6 +50,7 @@ PROGRAMS_PER_SM = 8  # 4 programs of 4 warps fit on an SM at 127 registers: abou
 PARTIAL_SHARE = 0.25
 MAX_SPLIT = 16
 MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
+PREFETCH = False  # one row: load step i + 1's tile while step i computes (more registers, fewer programs per SM)
 FUSED_REDUCE = True  # split-K partials summed by each tile's last-arriving program (one launch); False: _reduce_kernel
 COUNTERS = 1 << 16  # arrival counters per (device, stream): row tiles of one launch, at most
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -163,12 +164,22 @@ def _group_scales(b8_ptr, h_ptr, rowb, units, goff, soff, live, QTYPE: tl.conste
 
 
 @triton.jit
+def _step(wrow, b8_ptr, h_ptr, rowb, units, live_u, goff, soff, QTYPE: tl.constexpr):
+    # one loop step's weights: words [BN, U, 4] int32 (one 16-byte load per row and thread) and (s, o) [BN, U]
+    wi = tl.arange(0, 4)
+    words = tl.load(wrow + (units[None, :, None] * 4 + wi[None, None, :]), mask=live_u[None, :, None], other=0)
+    s, o = _group_scales(b8_ptr, h_ptr, rowb, units[None, :], goff, soff, live_u[None, :], QTYPE)
+    return words, s, o
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, row_words, goff, soff, n_units,
     per_split, stride_xm, stride_om, magic,
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, NATIVE: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, FUSED: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     # x: [M, K]; w / b8 / h: the repacked rows as int32 / uint8 / float16 (one tensor); program (i, r): features
     # i*BLOCK_N.. over units r*per_split.. (whole U-unit steps). Rows past N read row N-1 and are not stored.
@@ -192,11 +203,16 @@ def _gemv_kernel(
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_N, U, 4], dtype=tl.float32)
+    if PREFETCH:
+        words_n, s_n, o_n = _step(wrow, b8_ptr, h_ptr, rowb, first + ui, (first + ui) < last, goff, soff, QTYPE)
     for u0 in range(first, last, U):
         units = u0 + ui  # [U]
         live_u = (units < last) | EVEN
-        words = tl.load(wrow + (units[None, :, None] * 4 + wi[None, None, :]), mask=live_u[None, :, None], other=0)
-        s, o = _group_scales(b8_ptr, h_ptr, rowb, units[None, :], goff, soff, live_u[None, :], QTYPE)  # [BN, U]
+        if PREFETCH:  # this step's tile was loaded during the previous step; load the next one now
+            words, s, o = words_n, s_n, o_n
+            words_n, s_n, o_n = _step(wrow, b8_ptr, h_ptr, rowb, units + U, (units + U) < last, goff, soff, QTYPE)
+        else:
+            words, s, o = _step(wrow, b8_ptr, h_ptr, rowb, units, live_u, goff, soff, QTYPE)  # [BN, U, 4], [BN, U]
         high = words >> (12 if BITS == 4 else 16)
         if USE_DOT:
             live_c = ((u0 + c // 4) < last) | EVEN
@@ -299,6 +315,7 @@ def gemv(
     num_warps: int | None = None,
     split_k: int | None = None,
     fused_reduce: bool | None = None,  # None: FUSED_REDUCE
+    prefetch: bool | None = None,  # None: PREFETCH (one row)
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """x @ W^T reading every repacked weight byte once for all M rows (M <= GEMV_MAX_ROWS)."""
     m, k = x.shape
@@ -322,7 +339,8 @@ def gemv(
         x.stride(0), out.stride(0), MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=units, BLOCK_M=block_m,
         BLOCK_N=block_n, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, NATIVE=not _INTERPRETED,
         DIRECT=split == 1, EVEN=n_units % units == 0, SWAP=m <= SWAP_MAX_ROWS and x.dtype != torch.float32,
-        FUSED=fused, **common, num_warps=warps,
+        FUSED=fused, PREFETCH=not use_dot and (PREFETCH if prefetch is None else prefetch), **common,
+        num_warps=warps,
     )
     if split > 1 and not fused:
         _reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](

@@ -112,7 +112,8 @@ def test_gemv_rows_and_prefill_path_match_reference(qtype):
 def test_split_k_ranges_bias_and_column_slices(qtype):
     """Split-K over rows of 40 Q4_K / 80 Q6_K / 20 Q8_0 units in 8-unit steps (uneven ranges; Q8_0: a half step;
     more ranges asked than steps) at 1, 4, 5, 16 and 33 rows, bias added once, into a column slice of a wider
-    bfloat16 output; the fused last-arriver sum equals the separate reduce kernel's and leaves its counters at 0."""
+    bfloat16 output; the fused last-arriver sum equals the separate reduce kernel's and leaves its counters at 0;
+    prefetching the next step's tile gives the same bits."""
     n, k = 20, 5 * 256 if qtype != "Q8_0" else 10 * 32
     data = weight_bytes(qtype, n, k, seed=21)
     packed, w = qr.repack(torch.from_numpy(data).to(DEV), qtype, k), reference(data, qtype).to(DEV)
@@ -126,6 +127,8 @@ def test_split_k_ranges_bias_and_column_slices(qtype):
         if m in (1, 16):  # the last-arriving program sums the partials as the second kernel does, bit for bit
             assert torch.equal(y, rg.gemv(x, packed, qtype, bias, block_n=16, units=8, split_k=split,
                                           fused_reduce=False))
+        if m == 1:  # loading the next step's tile during this one changes nothing but timing
+            assert torch.equal(y, rg.gemv(x, packed, qtype, bias, block_n=16, units=8, split_k=split, prefetch=True))
     assert not rg._counters(torch.device(DEV)).any()  # every arrival counter is back at zero
     wide = torch.full((4, 3 * n), 7.0, dtype=torch.bfloat16, device=DEV)
     xb = torch.randn(4, k, generator=gen).to(DEV).to(torch.bfloat16)
