@@ -267,8 +267,8 @@ def table(res: dict) -> str:
             lines.append(f"{name:<10} error: {r['error']}")
             continue
         err = r.get("gemv_rel_err")
-        if "tiles" in r:
-            lines.append(f"{name} with the sweep's best GEMV tiles {r['tiles']}:")
+        if "tiles" in r or "tile" in r:
+            lines.append(f"{name} with the sweep's best GEMV tile(s) {r.get('tiles') or r.get('tile')}:")
         lines.append(f"{name[:10]:<10} {r['weight_bytes_read'] / 1e9:>8.2f} {r['floor_ms']:>9.3f} {r['w1_ms']:>9.3f} "
                      f"{r['tok_s']:>7.1f} {r['pct_of_floor']:>7.1f}% {r['pct_of_read_floor']:>6.1f}% "
                      f"{r['w16_ms']:>10.3f} "
