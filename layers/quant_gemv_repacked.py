@@ -32,6 +32,7 @@ checked by the compile test (registers, no spills, no I2F); benchmarks/gpu_quant
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -46,9 +47,9 @@ from draftflow.layers.triton_kernels import _round
 
 DOT_MIN_ROWS = 2  # the multiply-add path is written for one row
 _CODE = {name: i for i, name in enumerate(RTYPES)}  # Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
-PROGRAMS_PER_SM = 8  # 4 programs of 4 warps fit on an SM at 127 registers: about two waves of them
+RESIDENT = 4  # programs of 4 warps resident on an SM at the tiles' 114-127 registers (65536 / (127 * 128))
 PARTIAL_SHARE = 0.25
-MAX_SPLIT = 16
+MAX_SPLIT = 32
 MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
 PREFETCH = False  # one row: load step i + 1's tile while step i computes (more registers, fewer programs per SM)
 FUSED_REDUCE = True  # split-K partials summed by each tile's last-arriving program (one launch); False: _reduce_kernel
@@ -105,12 +106,22 @@ def plan(m: int, n: int, qtype: str, k: int, device: torch.device, dtype: torch.
     block_n, units, warps = tile(m, dtype)
     if _INTERPRETED:  # the interpreter pays per program: wide tiles, and a split of 2 so the tests cover it
         return Plan(256, units, warps, 2)
-    n_units = k * SPEC[qtype][0] // 128
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))
     cap = max(1, int(PARTIAL_SHARE * row_bytes(qtype, k) / (8 * m)))
-    split = 1 if want <= 2 else max(1, min(want, cap, triton.cdiv(n_units, units), MAX_SPLIT))
-    return Plan(block_n, units, warps, split)
+    return Plan(block_n, units, warps, split_for(triton.cdiv(n, block_n), k * SPEC[qtype][0] // 128 // units,
+                                                 RESIDENT * sms, min(cap, MAX_SPLIT)))
+
+
+def split_for(tiles: int, steps: int, slots: int, most: int) -> int:
+    """Ranges of a row's `steps` loop steps (at most `most`) for tiles * ranges programs on `slots` resident ones: at
+    least ~2 waves (robust to a residency other than RESIDENT) with the least idle tail (programs over whole waves'
+    slots), the fewest ranges among those within 3% of the best; the most ranges if 2 waves cannot be had."""
+    options = [r for r in sorted({triton.cdiv(steps, per) for per in range(1, steps + 1)}) if r <= most] or [1]
+    full = {r: tiles * r / slots / math.ceil(tiles * r / slots) for r in options if tiles * r >= 1.9 * slots}
+    if not full:
+        return options[-1]
+    best = max(full.values())
+    return min(r for r, efficiency in full.items() if efficiency >= best - 0.03)
 
 
 @triton.jit
