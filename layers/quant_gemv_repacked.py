@@ -115,13 +115,13 @@ def plan(m: int, n: int, qtype: str, k: int, device: torch.device, dtype: torch.
 def split_for(tiles: int, steps: int, slots: int, most: int) -> int:
     """Ranges of a row's `steps` loop steps (at most `most`) for tiles * ranges programs on `slots` resident ones: at
     least ~2 waves (robust to a residency other than RESIDENT) with the least idle tail (programs over whole waves'
-    slots), the fewest ranges among those within 3% of the best; the most ranges if 2 waves cannot be had."""
+    slots), the fewest ranges among those within 5% of the best; the most ranges if 2 waves cannot be had."""
     options = [r for r in sorted({triton.cdiv(steps, per) for per in range(1, steps + 1)}) if r <= most] or [1]
     full = {r: tiles * r / slots / math.ceil(tiles * r / slots) for r in options if tiles * r >= 1.9 * slots}
     if not full:
         return options[-1]
     best = max(full.values())
-    return min(r for r, efficiency in full.items() if efficiency >= best - 0.03)
+    return min(r for r, efficiency in full.items() if efficiency >= best - 0.05)
 
 
 @triton.jit

@@ -137,6 +137,16 @@ def test_split_k_ranges_bias_and_column_slices(qtype):
     assert_product(y, xb.float(), w.to(torch.bfloat16).float(), bias, rtol=2e-2)
 
 
+def test_split_plan_fills_about_two_waves():
+    """split_for: at the Qwen3-8B Q4_K shapes on 132 SMs x 4 resident programs, at least ~2 waves with a small idle
+    tail and the fewest ranges among equals; the most ranges when 2 waves cannot be had; never more than allowed."""
+    slots = 4 * 132
+    for tiles, steps, want in ((96, 16, 16), (64, 16, 16), (384, 16, 4), (64, 48, 16), (16, 32, 32)):
+        assert rg.split_for(tiles, steps, slots, 32) == want
+    assert rg.split_for(16, 32, slots, 8) == 8 and rg.split_for(4, 1, slots, 32) == 1
+    assert rg.split_for(2000, 16, slots, 32) == 1  # the row tiles alone fill 3.8 waves
+
+
 def test_bad_rows_are_refused_before_a_launch():
     """Repacked bytes of the wrong width, or file bytes that are not whole rows, raise a ValueError naming them."""
     packed, _, k = _case("Q4_K", 4)
