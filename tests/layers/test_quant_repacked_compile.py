@@ -76,7 +76,7 @@ for qtype, m, xdt in (("Q4_K", 1, "*bf16"), ("Q6_K", 1, "*bf16"), ("Q8_0", 1, "*
     consts = dict(QTYPE=rg._CODE[qtype], BITS=SPEC[qtype][0], U=u, BLOCK_M=bm, BLOCK_N=bn, USE_DOT=use_dot,
                   IEEE=xdt == "*fp32", NATIVE=True, DIRECT=False, HAS_BIAS=False, OUT_BF16=xdt == "*bf16",
                   EVEN=True, SWAP=m <= rg.SWAP_MAX_ROWS and xdt != "*fp32",
-                  FUSED=m <= rg.FUSED_MAX_ROWS)
+                  FUSED=m <= rg.FUSED_MAX_ROWS, PREFETCH=False)
     regs, local, sass = compile_(rg._gemv_kernel, types, consts, warps)
     body = loop(sass)
     weights = bn * u * 128 // SPEC[qtype][0] / (warps * 32)  # per thread per loop step
