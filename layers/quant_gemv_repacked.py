@@ -76,7 +76,7 @@ class Plan(NamedTuple):
 
 # (BLOCK_N, U, warps) by path, from the sm_90 compile (tests/layers/test_quant_repacked_compile.py). One row: 4 warps
 # cover 16 rows of 8 units, so BLOCK_N 64 gives each thread 4 rows (the activations' conversion and group sums
-# amortized 4x) and 4 x 16 B of loads; a step is 8 KB; 127 registers, ~4.8 instructions a Q4_K weight. bf16 tl.dot
+# amortized 4x) and 4 x 16 B of loads; a step is 8 KB; 127 registers, ~4.7 instructions a Q4_K weight. bf16 tl.dot
 # up to 32 rows: the weight tile is the dot's A operand (out^T = W x^T; ~6.3-6.5 instructions a weight, <= 126
 # registers with the fused reduction); more rows: x is A and a second kernel sums the partials (127 registers;
 # fused: 152); float32 activations (IEEE products on CUDA cores, tests): 16 x 4 units, 8 warps.
@@ -175,6 +175,14 @@ def _group_scales(b8_ptr, h_ptr, rowb, units, goff, soff, live, QTYPE: tl.conste
 
 
 @triton.jit
+def _widen(x):
+    # bfloat16 -> float32 as one shift of the bits (Triton's conversion takes two instructions for every other element)
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _step(wrow, b8_ptr, h_ptr, rowb, units, live_u, goff, soff, QTYPE: tl.constexpr):
     # one loop step's weights: words [BN, U, 4] int32 (one 16-byte load per row and thread) and (s, o) [BN, U]
     wi = tl.arange(0, 4)
@@ -250,7 +258,7 @@ def _gemv_kernel(
             for j in tl.static_range(32 // BITS):
                 q = _plane(words, high, magic, j, BITS)  # [BN, U, 4]
                 xoff = units[:, None] * GW + 4 * j + wi[None, :]  # [U, 4]: 4 consecutive weights
-                x = tl.load(x_ptr + xoff, mask=live_u[:, None], other=0.0).to(tl.float32)  # [U, 4]
+                x = _widen(tl.load(x_ptr + xoff, mask=live_u[:, None], other=0.0))  # [U, 4] float32
                 xs += x
                 t += x[None, :, :] * q
             acc3 += t * s[:, :, None] + o[:, :, None] * xs[None, :, :]
