@@ -108,8 +108,8 @@ def plan(m: int, n: int, qtype: str, k: int, device: torch.device, dtype: torch.
         return Plan(256, units, warps, 2)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     cap = max(1, int(PARTIAL_SHARE * row_bytes(qtype, k) / (8 * m)))
-    return Plan(block_n, units, warps, split_for(triton.cdiv(n, block_n), k * SPEC[qtype][0] // 128 // units,
-                                                 RESIDENT * sms, min(cap, MAX_SPLIT)))
+    steps = triton.cdiv(k * SPEC[qtype][0] // 128, units)  # loop steps of a row
+    return Plan(block_n, units, warps, split_for(triton.cdiv(n, block_n), steps, RESIDENT * sms, min(cap, MAX_SPLIT)))
 
 
 def split_for(tiles: int, steps: int, slots: int, most: int) -> int:
