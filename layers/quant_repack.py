@@ -38,8 +38,11 @@ bytes than the file for Q4_K. Keeping d per 256 and sc, m as bytes costs 2.8% ov
 Q4_K and its decode (two multiplies per group and row) is amortized over the 32 weights of a
 thread's unit. 5- and 6-bit codes take a byte: a 4-bit plane plus a high-bit plane would keep
 the file's bytes but cost 2-3 more integer instructions per weight, and the GEMV of 4-bit codes
-is already instruction-bound on an H200 (~36 weights per SM-clock at 4.8 TB/s against 128
-instructions); bytes keep Q6_K (1.07 B) memory-bound at 3.5 instructions per weight.
+is already instruction-bound on an H200 (~28 weights per SM-clock at 4.25 TB/s copy bandwidth
+against 128 instructions issued; the one-row loop takes ~4.7 a Q4_K weight); as bytes Q6_K (1.07 B,
+~15 weights per SM-clock) stays memory-bound at ~5.7 instructions a weight, where planes would
+need ~7 and could reach at most ~20. A 4 + 2-bit plane layout for Q6_K is the next step if the
+H200 shows its GEMV at copy bandwidth.
 
 `repack` is torch code (it runs where the bytes are: on the GPU at load, on the CPU in tests),
 in row chunks so its temporaries stay small; `unpack` is its inverse to float32 (tests,
