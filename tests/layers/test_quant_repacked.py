@@ -97,12 +97,16 @@ def test_layout_units_and_bytes_per_weight():
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_K"])
 def test_gemv_rows_and_prefill_path_match_reference(qtype):
-    """1 row (factored multiply-adds), 3, 5, 16 (tensor-core dots) and 33 rows, and 70 (dequantize + matmul)."""
+    """1 row (factored multiply-adds), 3, 5, 16 (tensor-core dots) and 33 rows, and 70 (dequantize + matmul); at the
+    interpreter's wide tile and at the GPU's."""
     packed, w, k = _case(qtype, 20, seed=1)
     gen = torch.Generator().manual_seed(2)
     for m in (1, 3, 5, 16, 33, qk.GEMV_MAX_ROWS + 6):
         x = torch.randn(m, k, generator=gen).to(DEV)
         assert_product(rg.repacked_matmul(x, packed, qtype, k), x, w)
+        if m in (1, 16, 33):  # the GPU's tiles (the interpreter's default tile is wider)
+            bn, units, warps = rg.tile(m, x.dtype)
+            assert_product(rg.gemv(x, packed, qtype, block_n=bn, units=units, num_warps=warps), x, w)
     xb = torch.randn(16, k, generator=gen).to(DEV).to(torch.bfloat16)  # bf16: the weight rounded as a bf16 model's
     for m in (1, 16):
         assert_product(rg.gemv(xb[:m], packed, qtype), xb[:m].float(), w.to(torch.bfloat16).float(), rtol=2e-2)
