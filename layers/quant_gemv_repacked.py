@@ -47,7 +47,7 @@ from draftflow.layers.triton_kernels import _round
 
 DOT_MIN_ROWS = 2  # the multiply-add path is written for one row
 _CODE = {name: i for i, name in enumerate(RTYPES)}  # Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
-RESIDENT = 4  # programs of 4 warps resident on an SM at the tiles' 114-127 registers (65536 / (127 * 128))
+RESIDENT = {"fma": 5, "dot": 4}  # programs of 4 warps resident on an SM: 96 registers (one row), 114-127 (dots)
 PARTIAL_SHARE = 0.25
 MAX_SPLIT = 32
 MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
@@ -76,7 +76,8 @@ class Plan(NamedTuple):
 
 # (BLOCK_N, U, warps) by path, from the sm_90 compile (tests/layers/test_quant_repacked_compile.py). One row: 4 warps
 # cover 16 rows of 8 units, so BLOCK_N 64 gives each thread 4 rows (the activations' conversion and group sums
-# amortized 4x) and 4 x 16 B of loads; a step is 8 KB; 127 registers, ~4.7 instructions a Q4_K weight. bf16 tl.dot
+# amortized 4x) and 4 x 16 B of loads; a step is 8 KB; 96 registers, ~4.6 instructions a Q4_K weight (8 rows a
+# thread: 4.2, but 168 registers). bf16 tl.dot
 # up to 32 rows: the weight tile is the dot's A operand (out^T = W x^T; ~6.3-6.5 instructions a weight, <= 126
 # registers with the fused reduction); more rows: x is A and a second kernel sums the partials (127 registers;
 # fused: 152); float32 activations (IEEE products on CUDA cores, tests): 16 x 4 units, 8 warps.
@@ -109,7 +110,8 @@ def plan(m: int, n: int, qtype: str, k: int, device: torch.device, dtype: torch.
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     cap = max(1, int(PARTIAL_SHARE * row_bytes(qtype, k) / (8 * m)))
     steps = triton.cdiv(k * SPEC[qtype][0] // 128, units)  # loop steps of a row
-    return Plan(block_n, units, warps, split_for(triton.cdiv(n, block_n), steps, RESIDENT * sms, min(cap, MAX_SPLIT)))
+    slots = RESIDENT["fma" if m < DOT_MIN_ROWS else "dot"] * sms
+    return Plan(block_n, units, warps, split_for(triton.cdiv(n, block_n), steps, slots, min(cap, MAX_SPLIT)))
 
 
 def split_for(tiles: int, steps: int, slots: int, most: int) -> int:
@@ -221,7 +223,7 @@ def _gemv_kernel(
         c = tl.arange(0, 4 * U)  # the dot's K index: unit c // 4, word c % 4
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([BLOCK_N, U, 4], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, U], dtype=tl.float32)
     if PREFETCH:
         words_n, s_n, o_n = _step(wrow, b8_ptr, h_ptr, rowb, first + ui, (first + ui) < last, goff, soff, QTYPE)
     for u0 in range(first, last, U):
@@ -261,9 +263,9 @@ def _gemv_kernel(
                 x = _widen(tl.load(x_ptr + xoff, mask=live_u[:, None], other=0.0))  # [U, 4] float32
                 xs += x
                 t += x[None, :, :] * q
-            acc3 += t * s[:, :, None] + o[:, :, None] * xs[None, :, :]
+            acc3 += tl.sum(t, axis=2) * s + o * tl.sum(xs, axis=1)[None, :]
     if not USE_DOT:
-        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]  # [1, BN]
+        acc = tl.sum(acc3, axis=1)[None, :]  # [1, BN]
     elif SWAP:
         acc += tl.trans(acc_t)
     store = live_m[:, None] & (rows[None, :] < N)

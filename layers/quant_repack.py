@@ -39,8 +39,8 @@ Q4_K and its decode (two multiplies per group and row) is amortized over the 32 
 thread's unit. 5- and 6-bit codes take a byte: a 4-bit plane plus a high-bit plane would keep
 the file's bytes but cost 2-3 more integer instructions per weight, and the GEMV of 4-bit codes
 is already instruction-bound on an H200 (~28 weights per SM-clock at 4.25 TB/s copy bandwidth
-against 128 instructions issued; the one-row loop takes ~4.7 a Q4_K weight); as bytes Q6_K (1.07 B,
-~15 weights per SM-clock) stays memory-bound at ~5.7 instructions a weight, where planes would
+against 128 instructions issued; the one-row loop takes ~4.6 a Q4_K weight); as bytes Q6_K (1.07 B,
+~15 weights per SM-clock) stays memory-bound at ~5.3 instructions a weight, where planes would
 need ~7 and could reach at most ~20. A 4 + 2-bit plane layout for Q6_K is the next step if the
 H200 shows its GEMV at copy bandwidth.
 
