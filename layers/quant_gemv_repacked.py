@@ -51,7 +51,8 @@ RESIDENT = {"fma": 5, "dot": 4}  # programs of 4 warps resident on an SM: 96 reg
 PARTIAL_SHARE = 0.25
 MAX_SPLIT = 32
 MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
-PREFETCH = False  # one row: load step i + 1's tile while step i computes (more registers, fewer programs per SM)
+PREFETCH = False  # one row: load step i + 1's tile while step i computes (sm_90 Q4_K: 128 registers, +0.4 instructions
+# a weight; Q8_0 / Q6_K: 96 / 80 registers): off until the H200 sweep (benchmarks/gpu_quant.py) says otherwise
 FUSED_REDUCE = True  # split-K partials summed by each tile's last-arriving program (one launch); False: _reduce_kernel
 COUNTERS = 1 << 16  # arrival counters per (device, stream): row tiles of one launch, at most
 _COUNTERS: dict[tuple, torch.Tensor] = {}
