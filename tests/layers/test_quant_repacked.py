@@ -203,8 +203,8 @@ SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "
 @pytest.mark.parametrize("shape", ["qkv", "down"])
 def test_cuda_repacked_gemv_against_file_kernel_and_torch(qtype, shape):
     """At 8B shapes the repack (on the GPU) dequantizes to gguf's values; the repacked GEMV (1 row: multiply-adds; 4
-    and 16: weight-as-A dots, fused split-K sum; 33: x-as-A dots; bf16 and float32) agrees with the file-layout
-    kernel and with torch on the dequantized weight."""
+    and 16: weight-as-A dots, fused split-K sum; 33: x-as-A dots; bf16 and float32) and the 100-row prefill path
+    agree with the file-layout kernels and with torch on the dequantized weight."""
     n, k = SHAPES_8B[shape]
     data = torch.from_numpy(random_bytes(qtype, n, k, seed=11)).cuda()
     packed = qr.repack(data, qtype, k)
@@ -213,7 +213,7 @@ def test_cuda_repacked_gemv_against_file_kernel_and_torch(qtype, shape):
     gen = torch.Generator(device="cuda").manual_seed(12)
     for dtype in (torch.bfloat16, torch.float32):
         wd = w.to(dtype).float()
-        for m in (1, 4, 16, 33):
+        for m in (1, 4, 16, 33, 100):  # 100: the prefill path (dequantize + cuBLAS)
             x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
             got, old = rg.repacked_matmul(x, packed, qtype, k), qk.quant_matmul(x, data, qtype, k)
             rtol = 1e-5 if dtype == torch.float32 else 1e-2
