@@ -133,7 +133,7 @@ def test_split_k_ranges_bias_and_column_slices(qtype):
                                           fused_reduce=False))
         if m == 1:  # loading the next step's tile during this one changes nothing but timing
             assert torch.equal(y, rg.gemv(x, packed, qtype, bias, block_n=16, units=8, split_k=split, prefetch=True))
-    assert not rg._counters(torch.device(DEV)).any()  # every arrival counter is back at zero
+    assert not rg._counters(x.device).any()  # every arrival counter is back at zero (this stream's)
     wide = torch.full((4, 3 * n), 7.0, dtype=torch.bfloat16, device=DEV)
     xb = torch.randn(4, k, generator=gen).to(DEV).to(torch.bfloat16)
     y = rg.gemv(xb, packed, qtype, bias, out=wide[:, n:2 * n], block_n=16, units=8, split_k=3)
