@@ -36,12 +36,11 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from draftflow.layers.quant_gemv import REDUCE_BLOCK, _reduce_kernel, _sm_count
-from draftflow.layers.quant_kernels import _INTERPRETED, GEMV_MAX_ROWS, _f32
+from draftflow.layers.quant_kernels import _INTERPRETED, _f32, matmul_with
 from draftflow.layers.quant_repack import RTYPES, SPEC, row_bytes, sections
 from draftflow.layers.triton_kernels import _round
 
@@ -395,16 +394,4 @@ def repacked_matmul(
     out: torch.Tensor | None = None,  # [rows of x, N] view to write into (unit column stride)
 ) -> torch.Tensor:  # [..., N] in x.dtype (`out` itself when given)
     """x @ W^T (+ bias) for repacked W: the GEMV up to GEMV_MAX_ROWS rows, else dequantize + torch.matmul."""
-    x2 = x.reshape(-1, in_features)  # [M, K]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, n = x2.shape[0], packed.shape[0]
-    if m == 0:
-        y = torch.empty(0, n, dtype=x.dtype, device=x.device) if out is None else out
-    elif m <= GEMV_MAX_ROWS:
-        y = gemv(x2, packed, qtype, bias, out)
-    else:
-        y = F.linear(x2, dequantize(packed, qtype, in_features, x.dtype), bias)  # [M, N]
-        if out is not None:
-            y = out.copy_(y)
-    return y if out is not None else y.view(*x.shape[:-1], n)
+    return matmul_with(gemv, dequantize, x, packed, qtype, in_features, bias, out)

@@ -201,16 +201,23 @@ def quant_matmul(
     out: torch.Tensor | None = None,  # [rows of x, N] view to write into (unit column stride)
 ) -> torch.Tensor:  # [..., N] in x.dtype (`out` itself when given)
     """x @ W^T (+ bias) for a GGUF-quantized W: the GEMV up to GEMV_MAX_ROWS rows, else dequantize + torch.matmul."""
+    return matmul_with(gemv, dequantize, x, blocks, qtype, in_features, bias, out)
+
+
+def matmul_with(gemv_fn, dequantize_fn, x, weight, qtype, in_features, bias=None, out=None) -> torch.Tensor:
+    """x @ W^T (+ bias) for W in a quantized device layout (``weight`` [N, row bytes]), given that layout's
+    ``gemv_fn(x2, weight, qtype, bias, out)`` and ``dequantize_fn(weight, qtype, in_features, dtype)``: the GEMV up
+    to GEMV_MAX_ROWS rows of x, else dequantize + torch's matmul."""
     x2 = x.reshape(-1, in_features)  # [M, K]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, n = x2.shape[0], blocks.shape[0]
+    m, n = x2.shape[0], weight.shape[0]
     if m == 0:
         y = torch.empty(0, n, dtype=x.dtype, device=x.device) if out is None else out
     elif m <= GEMV_MAX_ROWS:
-        y = gemv(x2, blocks, qtype, bias, out)
+        y = gemv_fn(x2, weight, qtype, bias, out)
     else:
-        y = F.linear(x2, dequantize(blocks, qtype, in_features, x.dtype), bias)  # [M, N]
+        y = F.linear(x2, dequantize_fn(weight, qtype, in_features, x.dtype), bias)  # [M, N]
         if out is not None:
             y = out.copy_(y)
     return y if out is not None else y.view(*x.shape[:-1], n)

@@ -189,10 +189,15 @@ def test_cuda_kernels_at_8b_shapes(qtype, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_gemv_replays_in_a_cuda_graph():
-    """A captured quantized product replays with new inputs and gives the eager result (no host sync inside)."""
+@pytest.mark.parametrize("repacked", [False, True], ids=["file-blocks", "repacked"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_cuda_gemv_replays_in_a_cuda_graph(m, repacked):
+    """A captured quantized product (split-K partials and their sum) replays with new inputs and gives the eager
+    result (no host sync inside), with the file's blocks and repacked (layers/quant_repack.py)."""
     lin, _ = _quant_linear("Q4_K", 4096, 4096, seed=13)
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    if repacked:
+        lin.repack()
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     lin(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

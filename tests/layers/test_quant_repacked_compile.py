@@ -10,49 +10,16 @@ what makes a 4-bit GEMV memory-bound on an H200: ~32 weights per SM-clock arrive
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+from sm90_compile import run
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
-import os, re, subprocess, sys, tempfile
-import torch
-import triton
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.errors import CompilationError
-except ImportError as exc:
-    print(f"triton API differs: {exc}"); sys.exit(3)
+BODY = r"""
 from draftflow.layers import quant_gemv_repacked as rg
 from draftflow.layers.quant_repack import SPEC
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 DIV16 = ("N", "row_words", "goff", "soff", "n_units", "per_split", "stride_xm", "stride_om", "magic")
-
-def compile_(fn, types, consts, warps):
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    div = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(fn.arg_names)
-           if n not in consts and (n.endswith("_ptr") or n in DIV16)}
-    try:
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    except CompilationError:
-        raise
-    except Exception as exc:  # an API change (signature format, options), not the kernel: skip
-        print(f"triton API differs: {type(exc).__name__}: {exc}"); sys.exit(3)
-    if not os.path.exists(CUOBJDUMP):
-        print("no cuobjdump in this triton"); sys.exit(3)
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
-    sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    return int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"LOCAL:(\d+)", res).group(1)), sass
 
 def loop(sass):
     # the longest backward branch's body: the K loop
@@ -77,7 +44,7 @@ for qtype, m, xdt in (("Q4_K", 1, "*bf16"), ("Q6_K", 1, "*bf16"), ("Q8_0", 1, "*
                   IEEE=xdt == "*fp32", NATIVE=True, DIRECT=False, HAS_BIAS=False, OUT_BF16=xdt == "*bf16",
                   EVEN=True, SWAP=m <= rg.SWAP_MAX_ROWS and xdt != "*fp32",
                   FUSED=m <= rg.FUSED_MAX_ROWS, PREFETCH=False)
-    regs, local, sass = compile_(rg._gemv_kernel, types, consts, warps)
+    regs, local, sass = compile_(rg._gemv_kernel, types, consts, warps, DIV16)
     body = loop(sass)
     weights = bn * u * 128 // SPEC[qtype][0] / (warps * 32)  # per thread per loop step
     print(qtype, m, xdt, regs, local, len(re.findall(r"\bI2F", sass)), f"{len(body) / weights:.2f}")
@@ -94,14 +61,8 @@ BUDGET = {("Q4_K", "1"): 5.0, ("Q6_K", "1"): 6.0, ("Q8_0", "1"): 5.6, ("Q4_K", "
 def test_repacked_gemv_compiles_for_sm90_within_budget():
     """One row (factored multiply-adds), 16 and 20 rows (bf16 dot, weight as A, fused reduction), 33 rows (bf16 dot,
     x as A) and float32 33 rows: no local memory, <= 128 registers, no I2F, the loop within BUDGET per weight."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    if done.returncode == 3:
-        pytest.skip(done.stdout.strip())
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stdout + done.stderr[-3000:]
-    for line in done.stdout.splitlines()[:-1]:
+    for line in run(BODY):
         qtype, m, xdt, regs, local, i2f, per_weight = line.split()
         case = f"{qtype} {m} rows {xdt}: {regs} registers, {local} B local, {i2f} I2F, {per_weight} instructions/weight"
         assert local == "0" and int(regs) <= 128 and i2f == "0", case
         assert float(per_weight) <= BUDGET.get((qtype, m), 1e9), case
-    print(done.stdout)

@@ -173,11 +173,12 @@ def test_warning_names_what_the_kernels_do_not_cover(mixed_gguf):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kept_quantized_generates_like_dequantized(mixed_gguf, dtype):
+@pytest.mark.parametrize("repacked", [False, True], ids=["file-blocks", "repacked"])
+def test_cuda_kept_quantized_generates_like_dequantized(mixed_gguf, dtype, repacked):
     """CUDA: same greedy tokens as the dequantized-at-load target (float32), eagerly and under CUDA graphs;
     bfloat16 logits within 2% of the magnitude (the kernels round the weight as the bf16 model does, but sum in
-    another order)."""
-    kept = load_gguf(mixed_gguf, "cuda", dtype)
+    another order); with the file's blocks and repacked at load (layers/quant_repack.py)."""
+    kept = load_gguf(mixed_gguf, "cuda", dtype, repacked=repacked)
     plain = load_gguf(mixed_gguf, "cuda", dtype, quantized=False)
     assert isinstance(kept.model.layers[0].self_attn.q_proj, QuantLinear)
     want_tokens, want = greedy(plain.model, plain.config, "cuda", 12)

@@ -1,8 +1,8 @@
 """A GGUF target whose kept projections are repacked at load (quant_repack + quant_gemv_repacked) computes what the
 dequantized-at-load target computes; the VRAM plan and `draftflow check` count the repacked bytes it holds.
 
-On the CPU the loader is asked to keep and repack the blocks and the kernels run under Triton's interpreter; on CUDA
-the same, eagerly and under CUDA graphs.
+On the CPU the loader is asked to keep and repack the blocks and the kernels run under Triton's interpreter; the CUDA
+test (eager and under CUDA graphs) is test_gguf_kept_quantized's, parametrized over both layouts.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from draftflow.layers.gguf_quants import weight_lines  # noqa: E402
 from draftflow.layers.quant_linear import QuantLinear  # noqa: E402
 from draftflow.plugins.target.gguf_loader import load_gguf  # noqa: E402
 from draftflow.plugins.target.plugin import manifest  # noqa: E402
-
-CUDA = torch.cuda.is_available()
 
 
 def test_repacked_target_generates_like_dequantized(mixed_gguf):
@@ -58,21 +56,3 @@ def test_vram_plan_counts_repacked_bytes(mixed_gguf, monkeypatch):
     assert manifest(_params(mixed_gguf, quantized=True), env).vram.weights == held > file_plan
     line = weight_lines(str(mixed_gguf), torch.float32, keep=True)[0]
     assert "Q4_0, Q4_K, Q6_K, Q8_0 projections stay quantized on the GPU (" in line and ", repacked), " in line, line
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_repacked_generates_like_dequantized(mixed_gguf, dtype):
-    """CUDA: teacher-forced on the dequantized target's tokens, the repacked target picks the same tokens (float32)
-    eagerly and under CUDA graphs; bfloat16 logits within 2% of the magnitude."""
-    kept = load_gguf(mixed_gguf, "cuda", dtype, quantized=True, repacked=True)
-    plain = load_gguf(mixed_gguf, "cuda", dtype, quantized=False)
-    want_tokens, want = greedy(plain.model, plain.config, "cuda", 12)
-    got_tokens, got = greedy(kept.model, kept.config, "cuda", 12, forced=want_tokens)
-    graph_tokens, graph = greedy(kept.model, kept.config, "cuda", 12, runner=True, forced=want_tokens)
-    rtol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert (got - want).abs().max() <= rtol * want.abs().max()
-    assert (graph - want).abs().max() <= rtol * want.abs().max()
-    if dtype == torch.float32:
-        assert got_tokens == want_tokens and graph_tokens == want_tokens
