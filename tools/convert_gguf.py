@@ -141,16 +141,16 @@ def _tensor_dtype(name: str, dtype: str, tied: bool, num_layers: int = 1) -> str
     if dtype not in QUANTIZED or dtype == "q8_0":
         return dtype
     if head:
-        return "Q6_K"
+        return "q6_k"
     if dtype.endswith("_k_m") and name.startswith("blk.") and (".attn_v." in name or ".ffn_down" in name):
         if use_more_bits(int(name.split(".")[1]), num_layers):
-            return "Q6_K"
+            return "q6_k"
     return dtype
 
 
 def _block_type(dtype: str, row: int):
-    """The GGML type a row of ``row`` weights is stored in under ``dtype`` ("Q6_K" or an --outtype); None: F16."""
-    kind = _Q[dtype] if dtype.isupper() else QUANTIZED[dtype]
+    """The GGML type a row of ``row`` weights is stored in under the quantized ``dtype``; None: F16."""
+    kind = QUANTIZED[dtype]
     if kind in FALLBACK and row % gguf.GGML_QUANT_SIZES[kind][0]:
         kind = FALLBACK[kind]
     return kind if row % gguf.GGML_QUANT_SIZES[kind][0] == 0 else None
@@ -164,7 +164,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, dtype:
     elif dtype == "bf16":
         bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
         writer.add_tensor(name, bits, raw_dtype=_Q.BF16)
-    elif (dtype in QUANTIZED or dtype == "Q6_K") and (kind := _block_type(dtype, tensor.shape[-1])) is not None:
+    elif dtype in QUANTIZED and (kind := _block_type(dtype, tensor.shape[-1])) is not None:
         rows = tensor.float().numpy()
         q = quantize_k(rows, K_QUANTS[kind]) if kind in K_QUANTS else gguf.quants.quantize(rows, kind)
         writer.add_tensor(name, q, raw_dtype=kind)

@@ -93,3 +93,27 @@ def test_a_demo_folder_missing_a_drafter_is_an_error_not_a_traceback(tmp_path, c
     assert main(["--demo", str(demo), "--configs", "MTP", "--limit", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "node 'mtp'" in err and "Traceback" not in err, err
+
+
+def test_target_flag_drafts_for_another_copy_of_the_target(tmp_path, capsys):
+    """--target: the demo target as an F32 GGUF (the bf16 weights exactly) gives the same DFlash row at T = 0 as
+    the safetensors directory; a --target that does not exist is the graph check's report naming the target node,
+    the path and the fix, exit 2, no traceback."""
+    from draftflow.tools.convert_gguf import convert_hf_to_gguf
+
+    gguf_path = tmp_path / "target-f32.gguf"
+    convert_hf_to_gguf(DEMO / "target", gguf_path, "f32")
+    rows = {}
+    for name, extra in (("hf", []), ("gguf", ["--target", str(gguf_path)])):
+        out = tmp_path / f"{name}.json"
+        assert main(["--demo", str(DEMO), "--configs", "DFlash", "--limit", "2", "--max-new-tokens", "12",
+                     "--temperatures", "0", "--num-draft", "4", "--json", str(out), *extra]) == 0
+        rows[name] = json.loads(out.read_text())["DFlash @ T=0"]
+    for key in ("tau", "acceptance_rate", "per_position_acceptance"):
+        assert rows["gguf"][key] == rows["hf"][key], key
+    capsys.readouterr()
+    missing = tmp_path / "nope.gguf"
+    assert main(["--demo", str(DEMO), "--configs", "DFlash", "--limit", "1", "--target", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    assert f"node 'target' (target) [manifest]: {missing}: no such model directory or file" in err, err
