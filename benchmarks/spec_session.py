@@ -13,6 +13,7 @@ so every cycle does a whole cycle's work (one token per cycle).
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import tempfile
@@ -27,7 +28,7 @@ class SyncCounter:
     """Counts host synchronisations inside the block, by torch's CUDA sync debug mode (0 on the CPU)."""
 
     def __enter__(self):
-        self.count, self._caught = 0, None
+        self.count, self._caught, self.sites = 0, None, collections.Counter()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             self._warnings = warnings.catch_warnings(record=True)
@@ -39,7 +40,10 @@ class SyncCounter:
     def __exit__(self, *exc):
         if self._caught is not None:
             torch.cuda.set_sync_debug_mode("default")
-            self.count = sum("synchroniz" in str(w.message) for w in self._caught)
+            caught = [w for w in self._caught if "synchroniz" in str(w.message)]
+            self.count = len(caught)
+            # where they came from (the Python line that synchronised), to find the next one to remove
+            self.sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
             self._warnings.__exit__(*exc)
         return False
 
@@ -154,6 +158,7 @@ def cycles(session, prompt: list[int], n: int, rounds: int = 3, warm: int = 3, s
     with SyncCounter() as counter:
         counted = step(sync_cycles)
     out["host_syncs_per_cycle"] = counter.count / counted if counted else float("nan")
+    out["sync_sites"] = dict(counter.sites.most_common(8))
     if state.finish_reason is None:
         ex.finish(state, "cancelled")
     else:

@@ -264,19 +264,33 @@ class LayerExperts:
         best = sorted(candidates, key=lambda e: (-score[e], e))[:PROMOTE_PER_LAYER]
         victims = sorted((s for s in range(self.size) if not counts[self.expert_in[s]]),
                          key=lambda s: (score[self.expert_in[s]], self.expert_in[s]))
+        placed = 0
         for expert, slot in zip(best, victims):
             if score[expert] < score[self.expert_in[slot]] + PROMOTE_MARGIN:
                 break
             self._place(expert, slot)
-            self.cache.upload_bytes += self.cache.bytes_per_expert
+            placed += 1
+        if placed:
+            self.cache.upload_bytes += placed * self.cache.bytes_per_expert
+            self._push_key()
 
     def _place(self, expert: int, slot: int) -> None:
         """Evict the expert in local `slot` and upload `expert` there (host and device maps, queued: no sync)."""
         old, mask = self.expert_in[slot], self.cache.resident_mask[self.row]
         self.slot_of[old], mask[old] = -1, False
         self.slot_of[expert], self.expert_in[slot], mask[expert] = slot, expert, True
-        self.slot_key[old], self.slot_key[expert] = self.size, slot  # queued like the upload
-        self.cache.upload(self.row, expert, self.start + slot)
+        self.cache.upload(self.row, expert, self.start + slot)  # the caller then pushes the map: `_push_key`
+
+    def _push_key(self) -> None:
+        """Send the host's residency map to the device `slot_key`, queued after the uploads (no sync).
+
+        Not element writes: `t[i] = n` on a CUDA tensor is a synchronous copy from pageable memory (the H200 run
+        of 2026-12-01 counted about 2 extra host syncs per promotion). The whole map goes from a fresh pinned buffer instead, which the caching host allocator keeps
+        alive until the copy has run."""
+        key = torch.tensor([s if s >= 0 else self.size for s in self.slot_of], dtype=self.slot_key.dtype)  # [E]
+        if self.slot_key.is_cuda:
+            key = key.pin_memory()
+        self.slot_key.copy_(key, non_blocking=True)
 
     def _note(self, counts: list[int], tokens: int) -> None:
         decay = _DECAY_PER_TOKEN ** tokens
@@ -295,6 +309,7 @@ class LayerExperts:
         taken = missing[:len(free)]
         for expert, slot in zip(taken, free):
             self._place(expert, slot)
+        self._push_key()
         cache.hits += len(hits)
         cache.misses += len(taken)
         cache.upload_bytes += len(taken) * cache.bytes_per_expert

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 
 from draftflow.core.plan import Env  # noqa: E402
 from draftflow.layers.gguf_quants import weight_lines  # noqa: E402
+from draftflow.layers import quant_linear  # noqa: E402
 from draftflow.layers.kv_cache import KVCache, static_shape  # noqa: E402
 from draftflow.layers.quant_linear import QuantLinear  # noqa: E402
 from draftflow.plugins.target.gguf_loader import _warn_dequantized, load_gguf  # noqa: E402
@@ -76,7 +77,7 @@ def greedy(model, cfg, device, steps: int, runner: bool = False,
 
 def test_covered_projections_stay_as_file_bytes(mixed_gguf):
     """Covered projections become QuantLinear holding the file's bytes; Q3_K, the embedding and the head are float."""
-    loaded = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True)
+    loaded = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True, repacked=False)
     layer = loaded.model.layers[1]
     attn, mlp = layer.self_attn, layer.mlp
     kinds = {name: getattr(getattr(attn if hasattr(attn, name) else mlp, name), "qtype", None)
@@ -91,7 +92,7 @@ def test_covered_projections_stay_as_file_bytes(mixed_gguf):
 def test_kept_quantized_equals_dequantized_at_load(mixed_gguf):
     """float32: the kept-quantized target's logits equal the dequantized target's to rounding; same greedy tokens,
     eagerly and through the graph runner (fused q/k/v from two kernel types, joined gate/up)."""
-    kept = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True)
+    kept = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True, repacked=False)
     plain = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=False)
     want_tokens, want = greedy(plain.model, plain.config, "cpu", 4)
     got_tokens, got = greedy(kept.model, kept.config, "cpu", 4)
@@ -108,7 +109,7 @@ def test_q8_0_llama_rows_and_qwen2_biases(hf_dir, tmp_path, arch, kwargs):
     """llama's q/k block rows are un-permuted like the weights; qwen2's q/k/v biases are added by the kernel."""
     _, path = hf_dir(arch, **kwargs)
     convert_hf_to_gguf(path, tmp_path / "m.gguf", "q8_0")
-    kept = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=True)
+    kept = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=True, repacked=False)
     plain = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=False)
     attn = kept.model.layers[0].self_attn
     assert attn.q_proj.qtype == "Q8_0" and (attn.q_proj.bias is not None) == (arch == "qwen2")
@@ -126,7 +127,7 @@ def test_moe_target_keeps_attention_and_dense_mlp_quantized(tmp_path):
 
     path = save_hf_moe(build_hf_moe(layers=2, mlp_only_layers=(1,)), tmp_path / "hf")
     convert_hf_to_gguf(path, tmp_path / "m.gguf", "q8_0")
-    kept = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=True)
+    kept = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=True, repacked=False)
     plain = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=False)
     layers = kept.model.layers
     assert layers[0].self_attn.o_proj.qtype == "Q8_0" and layers[1].mlp.down_proj.qtype == "Q8_0"
@@ -143,11 +144,13 @@ def _params(path, **over) -> dict:
     return {**{p.name: p.default for p in PARAMS}, "path": str(path), **over}
 
 
-def test_vram_plan_counts_the_bytes_the_target_holds(mixed_gguf):
+def test_vram_plan_counts_the_bytes_the_target_holds(mixed_gguf, monkeypatch):
     """On CUDA the plan's weights are the quantized bytes of kept projections plus float bytes of the rest: what the
-    loaded model's tensors take; `quantized: false` (and the CPU) count everything dequantized; check says which."""
+    loaded model's tensors take; `quantized: false` (and the CPU) count everything dequantized; check says which.
+    (The file's blocks as they are: the repacked layout's plan is test_gguf_repacked's.)"""
+    monkeypatch.setattr(quant_linear, "REPACK", False)
     env = Env("cuda", "float32", 0, 256)
-    kept = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True)
+    kept = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True, repacked=False)
     held = sum(t.nbytes for name, t in kept.model.state_dict().items() if name != "inv_freq")
     assert manifest(_params(mixed_gguf, quantized=True), env).vram.weights == held
     plain = manifest(_params(mixed_gguf), env).vram.weights  # the default: dequantized at load

@@ -45,9 +45,11 @@ def test_repacked_target_generates_like_dequantized(mixed_gguf):
 
 
 def test_vram_plan_counts_repacked_bytes(mixed_gguf, monkeypatch):
-    """With quant_linear.REPACK on, the loader repacks by default and the plan's weights are what the repacked model
-    holds (a little more than the file's blocks); `check` says the projections are repacked."""
+    """With quant_linear.REPACK on (the default), the loader repacks and the plan's weights are what the repacked
+    model holds (a little more than the file's blocks, which the plan counts with REPACK off); `check` says the
+    projections are repacked."""
     env = Env("cuda", "float32", 0, 256)
+    monkeypatch.setattr(quant_linear, "REPACK", False)
     file_plan = manifest(_params(mixed_gguf, quantized=True), env).vram.weights
     monkeypatch.setattr(quant_linear, "REPACK", True)
     kept = load_gguf(mixed_gguf, "cpu", torch.float32, quantized=True)

@@ -143,3 +143,33 @@ def test_moe_node_under_cuda_graphs_equals_eager_and_target_only(tmp_path):
     assert experts.resident == 24 and experts.counters()["expert_misses"] > 0
     assert spec.token_ids == only.token_ids == eager.token_ids == cached.token_ids
     assert 0 < spec.stats["accepted"]
+
+
+def test_promotions_between_windows_do_not_synchronise():
+    """A partly resident cache: a window reads two missing experts from pinned host memory; `rebalance` then uploads
+    the better-scoring one and updates the device residency map with no host sync (torch's sync debug mode set to
+    error), and the map on the device equals the host's."""
+    experts, top_k, hidden, width = 32, 2, 64, 32
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(1, experts, 2 * width, hidden, generator=gen).pin_memory()
+    down = torch.randn(1, experts, hidden, width, generator=gen).pin_memory()
+    cache = ExpertCache(HostExperts((0,), gate_up, down), 4, top_k, "cuda")  # slots start with experts 0..3
+    assert cache.device_path and not cache.all_resident
+    layer = cache.layers[0]
+    x = torch.randn(8, hidden, device="cuda")
+    ids = torch.tensor([[30, 31]] * 7 + [[30, 1]], device="cuda")
+    weights = torch.full((8, 2), 0.5, device="cuda")
+    with torch.inference_mode():
+        layer.compute_device(x, ids, weights)
+    torch.cuda.synchronize()
+    before = cache.upload_bytes
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cache.rebalance()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.upload_bytes == before + cache.bytes_per_expert  # one promotion per layer and rebalance
+    assert layer.slot_of[30] >= 0 and layer.slot_of[31] < 0  # 30 was routed 8 times, 31 7 times
+    host_map = [s if s >= 0 else layer.size for s in layer.slot_of]
+    assert layer.slot_key.cpu().tolist() == host_map
+    torch.testing.assert_close(cache.slot_gate_up[layer.slot_of[30]].cpu(), gate_up[0, 30], rtol=0, atol=0)
