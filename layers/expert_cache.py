@@ -64,12 +64,6 @@ def min_resident(num_moe_layers: int, top_k: int) -> int:
     return num_moe_layers * top_k
 
 
-def _host_reads_work(host: HostExperts) -> bool:
-    from draftflow.layers.moe_kernels import host_reads_work
-
-    return host_reads_work(host.gate_up)
-
-
 def _use_grouped_mm(x: torch.Tensor) -> bool:
     # torch's grouped GEMM runs on the CPU for any float dtype and on CUDA for bf16 (sm90+ kernels).
     return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
@@ -95,7 +89,7 @@ class ExpertCache:
                  grouped: bool | None = None) -> None:
         # grouped: one grouped GEMM per layer and window where torch has one, else a GEMM per routed expert.
         # None: grouped on the CPU, per expert on CUDA (H200, 30B-A3B shape: 11.6 vs 6.5 tokens/s, BENCHMARKS.md).
-        n_layers, self.num_experts, two_i, h = host.gate_up.shape
+        n_layers, self.num_experts, two_i, h = host.shape
         self.grouped = torch.device(device).type != "cuda" if grouped is None else grouped
         self.host, self.device, self.top_k = host, torch.device(device), top_k
         self.total = n_layers * self.num_experts
@@ -104,14 +98,14 @@ class ExpertCache:
         if not low <= self.resident <= self.total:
             raise ValueError(f"expert_cache={self.resident} is outside [{low}, {self.total}]: at least top-k "
                              f"({top_k}) per MoE layer and at most every expert; pick a count in that range")
-        self.bytes_per_expert = (host.gate_up[0, 0].numel() + host.down[0, 0].numel()) * host.gate_up.element_size()
-        self.slot_gate_up = torch.empty((self.resident, two_i, h), dtype=host.gate_up.dtype, device=self.device)  # [N, 2I, H]
-        self.slot_down = torch.empty((self.resident, h, two_i // 2), dtype=host.down.dtype, device=self.device)  # [N, H, I]
+        self.bytes_per_expert = host.bytes_per_expert  # what an upload moves (a quantized host's blocks: fewer)
+        self.slot_gate_up = torch.empty((self.resident, two_i, h), dtype=host.dtype, device=self.device)  # [N, 2I, H]
+        self.slot_down = torch.empty((self.resident, h, two_i // 2), dtype=host.dtype, device=self.device)  # [N, H, I]
         self.hits = self.misses = self.upload_bytes = 0
         self.all_resident = self.resident == self.total
         # The device path (docs above); tests force it on the CPU through Triton's interpreter.
         self.device_path = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None and (
-            self.all_resident or _host_reads_work(host))
+            self.all_resident or host.readable_on_device())
         # Per MoE layer, counted by the kernels: tokens routed to each expert, then hits, then misses.
         e = self.num_experts
         self.tally = torch.zeros(n_layers, e + 2, dtype=torch.int32, device=self.device)  # [L, E + 2]
@@ -167,9 +161,8 @@ class ExpertCache:
                 layer.promote(wanted[row].nonzero().flatten().tolist(), counts)
 
     def upload(self, row: int, expert: int, slot: int) -> None:
-        # Pinned host memory + non_blocking: the copy is queued on the stream before the expert's GEMM.
-        self.slot_gate_up[slot].copy_(self.host.gate_up[row, expert], non_blocking=True)
-        self.slot_down[slot].copy_(self.host.down[row, expert], non_blocking=True)
+        # Queued on the stream before the expert's GEMM (moe.HostExperts, quant_experts.QuantHostExperts).
+        self.host.upload(row, expert, self.slot_gate_up[slot], self.slot_down[slot])
 
     def tensors(self):
         yield self.slot_gate_up

@@ -32,6 +32,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from draftflow.core.budget import fmt_bytes
 from draftflow.core.errors import ModelFormatError
+from draftflow.layers.quant_experts import covered
 from draftflow.layers.quant_linear import kept
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -241,6 +242,10 @@ def quantization_lines(infos: list[TensorInfo], dtype: torch.dtype, source: str,
         kinds = ", ".join(sorted({type_name(i.type_id) for i in stay}))
         how = ", repacked" if _repacks() else ""
         to = f"{kinds} projections stay quantized on the GPU ({fmt_bytes(sum(map(held, stay)))}{how}), the rest {to}"
+    exps = [i for i in infos if "_exps." in i.name]  # merged routed experts (host-resident, the expert cache's)
+    if keep and covered([type_name(i.type_id) for i in exps]):
+        to += (f"; routed experts stay quantized on the host ({fmt_bytes(sum(map(_file_bytes, exps)))}, "
+               "dequantized on the device per upload)")
     lines = [f"weights of {source}: {fmt_bytes(file_bytes)} in the file, {to}: {fmt_bytes(device_bytes)} on the device "
              "(what the VRAM plan counts)"]
     order = ("embeddings", "attention", "mlp", "experts", "router", "norms+biases", "other")

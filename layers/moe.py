@@ -116,6 +116,31 @@ class HostExperts:
     gate_up: torch.Tensor  # [L_moe, E, 2I, H]: gate rows, then up rows (F.linear layout)
     down: torch.Tensor  # [L_moe, E, H, I]
 
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(MoE layers, experts per layer, 2I, H)."""
+        return tuple(self.gate_up.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate_up.dtype
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes one upload moves."""
+        return (self.gate_up[0, 0].numel() + self.down[0, 0].numel()) * self.gate_up.element_size()
+
+    def readable_on_device(self) -> bool:
+        """Whether the expert kernels can read a miss straight from these (pinned) stacks (probed once)."""
+        from draftflow.layers.moe_kernels import host_reads_work
+
+        return host_reads_work(self.gate_up)
+
+    def upload(self, row: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy one expert into its slot: pinned memory + non_blocking, queued on the stream before its GEMM."""
+        gate_up.copy_(self.gate_up[row, expert], non_blocking=True)
+        down.copy_(self.down[row, expert], non_blocking=True)
+
     @classmethod
     def pop_from_state(cls, state: dict[str, torch.Tensor], cfg: TargetConfig, pin: bool) -> HostExperts:
         """Move per-expert entries (`layers.N.mlp.experts.J.*.weight`, module names) out of `state` into stacks."""

@@ -179,11 +179,16 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str, bias: torch.Tensor |
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype,
-               block_n: int = 32 if not _INTERPRETED else 256) -> torch.Tensor:  # [N, K]
-    """The weight of `blocks` [N, row bytes] as an [N, in_features] tensor of `dtype` (gguf's values, then cast)."""
+               block_n: int = 32 if not _INTERPRETED else 256, out: torch.Tensor | None = None) -> torch.Tensor:  # [N, K]
+    """The weight of `blocks` [N, row bytes] as an [N, in_features] tensor of `dtype` (gguf's values, then cast);
+    `out`: a contiguous [N, in_features] tensor of `dtype` on the blocks' device to write instead of a new one."""
     n_blocks = _check(blocks, qtype, in_features)
     n = blocks.shape[0]
-    out = torch.empty(n, in_features, dtype=dtype, device=blocks.device)
+    if out is None:
+        out = torch.empty(n, in_features, dtype=dtype, device=blocks.device)
+    elif out.shape != (n, in_features) or out.dtype != dtype or not out.is_contiguous() or out.device != blocks.device:
+        raise ValueError(f"dequantize out: expected a contiguous [{n}, {in_features}] {dtype} tensor on {blocks.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     meta = _meta(qtype, n_blocks)
     _dequant_kernel[(triton.cdiv(n, block_n), n_blocks // meta["UNROLL"])](
         blocks, out, n, in_features, blocks.stride(0), **meta, BLOCK_N=block_n, OUT_BF16=dtype == torch.bfloat16,

@@ -33,6 +33,7 @@ from draftflow.layers.tensor_parallel import SINGLE, TPGroup, shard_of, take
 from draftflow.layers.gguf_quants import (FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize,
                                           dequantized_cost, type_name)
 from draftflow.layers import quant_linear
+from draftflow.layers.quant_experts import QuantHostExperts, covered
 from draftflow.layers.quant_linear import LAYOUT, PROJECTION, kept, repack_all, swap_in
 
 SUPPORTED_GGUF_ARCHS = ("qwen3", "llama", "qwen2", "qwen3moe")
@@ -69,7 +70,9 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
 
     `quantized` (None: on CUDA): keep the covered projections in their GGUF blocks (`QuantLinear`,
     Triton kernels; on the CPU only under TRITON_INTERPRET, for tests); False: dequantize every
-    weight at load. One rank only: a tensor-parallel target dequantizes at load. `repacked` (None:
+    weight at load. Kept, a MoE's merged experts of covered types also stay in their blocks, on the host
+    (quant_experts.QuantHostExperts: the expert cache dequantizes each upload on the device). One rank
+    only: a tensor-parallel target dequantizes at load. `repacked` (None:
     quant_linear.REPACK): kept projections are rewritten once into quant_repack's layout for its kernels.
 
     With a tensor-parallel group `tp` a rank reads and dequantizes only its rows of a column-parallel
@@ -103,14 +106,19 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
     keep = (torch.device(device).type == "cuda" if quantized is None else quantized) and tp.size == 1
     stay = {hf: type_name(t.tensor_type) for hf, t in tensors.items()
             if keep and type(t) is not tuple and kept(names[hf], type_name(t.tensor_type))}  # hf name -> GGUF type
+    merged = {m: tensors[m] for m, _ in views.values()}  # GGUF name -> merged expert tensor
+    # `quantized`: merged experts of covered types stay in their blocks on the host (quant_experts.py)
+    quant_experts = keep and covered([type_name(t.tensor_type) for t in merged.values()])
     every = {id(t): t for t in (v[0] if type(v) is tuple else v for v in tensors.values())}
-    stayed = {id(tensors[hf]) for hf in stay}
+    stayed = {id(tensors[hf]) for hf in stay} | ({id(t) for t in merged.values()} if quant_experts else set())
     loaded = {k: t for k, t in every.items() if k not in stayed}  # dequantized here
     progress = DequantProgress(sum(int(t.n_elements) for t in loaded.values() if type_name(t.tensor_type) not in FLOAT_TYPES),
                                f"dequantizing {os.path.basename(source)} to {str(dtype).removeprefix('torch.')}")
     state, last = {}, (None, None)
     for hf, full in expected_tensors(cfg).items():
         if hf not in local:  # o_proj's bias: rank 0 adds it
+            continue
+        if quant_experts and is_expert_tensor(hf):  # kept as the merged tensors' blocks, below
             continue
         if hf in stay:  # the file's bytes, [out_features, row bytes] uint8: rows are whole blocks
             blocks = torch.from_numpy(np.ascontiguousarray(tensors[hf].data)).to(device)
@@ -136,8 +144,11 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
             w = take(w, pieces).to("cpu" if is_expert_tensor(hf) else device)
         state[hf.removeprefix("model.")] = w
     progress.close()
-    if cfg.moe_layers:
-        model.host_experts = HostExperts.pop_from_state(state, model.config, pin=torch.device(device).type == "cuda")
+    pin = torch.device(device).type == "cuda"
+    if cfg.moe_layers and quant_experts:
+        model.host_experts = _quant_host_experts(merged, cfg, dtype, pin)
+    elif cfg.moe_layers:
+        model.host_experts = HostExperts.pop_from_state(state, model.config, pin=pin)
     for hf, qtype in stay.items():
         swap_in(model, hf.removeprefix("model.").removesuffix(".weight"), qtype)
     model.load_state_dict(state, strict=True, assign=True)
@@ -145,12 +156,28 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
     if stay and (quant_linear.REPACK if repacked is None else repacked):
         repack_all(model)
     if torch.device(device).type == "cuda":
-        _warn_dequantized(every.values(), [tensors[hf] for hf in stay], dtype, source, keep, tp.size)
+        kept_quantized = [tensors[hf] for hf in stay] + (list(merged.values()) if quant_experts else [])
+        _warn_dequantized(every.values(), kept_quantized, dtype, source, keep, tp.size)
     eos = tuple(
         v for k in ("eos_token_id", "eot_token_id", "eom_token_id")
         if (v := _value(reader, f"tokenizer.ggml.{k}")) is not None
     )
     return LoadedTarget(model, cfg, gguf_tokenizer(reader), tuple(dict.fromkeys(eos)), source)
+
+
+def _quant_host_experts(merged: dict[str, Any], cfg: TargetConfig, dtype: torch.dtype, pin: bool) -> QuantHostExperts:
+    """The merged `blk.N.ffn_{gate,up,down}_exps` tensors' bytes per MoE layer, [E, rows, row bytes] uint8 (pinned
+    for uploads to CUDA; a copy, so the file can close)."""
+    def stack(layer: int, kind: str) -> tuple[torch.Tensor, str]:
+        t = merged[f"blk.{layer}.ffn_{kind}_exps.weight"]
+        data = np.asarray(t.data)
+        blocks = torch.from_numpy(data.reshape(cfg.num_experts, -1, data.shape[-1]))
+        return (blocks.pin_memory() if pin else blocks.clone()), type_name(t.tensor_type)
+
+    rows = [[stack(layer, kind) for kind in ("gate", "up", "down")] for layer in cfg.moe_layers]
+    return QuantHostExperts(tuple(cfg.moe_layers), [r[0][0] for r in rows], [r[1][0] for r in rows],
+                            [r[2][0] for r in rows], [tuple(p[1] for p in r) for r in rows], cfg.hidden_size,
+                            cfg.moe_intermediate_size, dtype)
 
 
 def rank_view(t: Any, shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> Any | None:

@@ -1,0 +1,70 @@
+"""A quantized MoE GGUF with `quantized: true`: the merged experts stay in their blocks on the host and the expert
+cache dequantizes each upload on the device (layers/quant_experts.py). On the CPU the Triton dequantizer runs under
+the interpreter (tests/conftest.py), the same code as on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_testlib import VOCAB, build_hf_moe, save_hf_moe
+
+pytest.importorskip("triton")
+from draftflow.layers.gguf_quants import weight_lines  # noqa: E402
+from draftflow.layers.kv_cache import KVCache  # noqa: E402
+from draftflow.layers.moe import HostExperts  # noqa: E402
+from draftflow.layers.quant_experts import QuantHostExperts  # noqa: E402
+from draftflow.plugins.target.gguf_loader import load_gguf  # noqa: E402
+from draftflow.tools.convert_gguf import convert_hf_to_gguf  # noqa: E402
+
+TOKENS = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))  # [1, 12]
+
+
+def _logits(loaded, resident=None) -> torch.Tensor:
+    loaded.model.set_expert_cache(resident)
+    return loaded.model(TOKENS, 0, KVCache.growing(loaded.config, 1, 16, torch.float32, "cpu"))[0]  # [1, 12, V]
+
+
+@pytest.mark.parametrize("outtype,qtype,bytes_per_32", [("q8_0", "Q8_0", 34), ("q4_0", "Q4_0", 18)])
+def test_quantized_experts_upload_their_blocks_and_give_the_dequantized_logits(tmp_path, outtype, qtype, bytes_per_32):
+    """Experts kept as the file's blocks: the same logits as the target dequantized at load (float32, to rounding:
+    the attention projections run the quantized GEMV there) at full and partial residency, the same uploads, and
+    each upload moves the blocks' bytes instead of float32's."""
+    path = save_hf_moe(build_hf_moe(layers=2), tmp_path / "hf")
+    convert_hf_to_gguf(path, tmp_path / "m.gguf", outtype, "merged")
+    kept = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=True, repacked=False)
+    plain = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=False)
+    host = kept.model.host_experts
+    assert isinstance(host, QuantHostExperts) and isinstance(plain.model.host_experts, HostExperts)
+    assert host.types == [(qtype, qtype, qtype)] * 2 and host.shape == plain.model.host_experts.shape
+    floats = 3 * kept.config.hidden_size * kept.config.moe_intermediate_size  # weights of one expert
+    assert host.bytes_per_expert == floats // 32 * bytes_per_32  # vs floats * 4 bytes at float32
+    for resident in (None, 9):  # every expert on the device / 9 of 96: misses uploaded per window
+        want, got = _logits(plain, resident), _logits(kept, resident)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        if resident is None:  # the slots hold exactly the dequantized weights
+            assert torch.equal(kept.model.expert_cache.slot_gate_up, plain.model.expert_cache.slot_gate_up)
+            assert torch.equal(kept.model.expert_cache.slot_down, plain.model.expert_cache.slot_down)
+    got_c, want_c = kept.model.expert_cache.counters(), plain.model.expert_cache.counters()
+    assert got_c["expert_misses"] == want_c["expert_misses"] > 0
+    assert got_c["expert_upload_bytes"] * floats * 4 == want_c["expert_upload_bytes"] * host.bytes_per_expert
+    line = weight_lines(str(tmp_path / "m.gguf"), torch.float32, keep=True)[0]  # what `draftflow check` prints
+    assert "; routed experts stay quantized on the host (" in line, line
+    assert "routed experts" not in weight_lines(str(tmp_path / "m.gguf"), torch.float32, keep=False)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantized_experts_on_cuda_match_the_dequantized_target(tmp_path):
+    """CUDA, float32: pinned blocks, staged and dequantized per upload, give the dequantized target's logits at full
+    and partial residency (the latter on the host-routed path: a quantized miss cannot be read from host memory)."""
+    path = save_hf_moe(build_hf_moe(layers=2), tmp_path / "hf")
+    convert_hf_to_gguf(path, tmp_path / "m.gguf", "q8_0", "merged")
+    kept = load_gguf(tmp_path / "m.gguf", "cuda", torch.float32, quantized=True)
+    plain = load_gguf(tmp_path / "m.gguf", "cuda", torch.float32, quantized=False)
+    assert kept.model.host_experts.gate[0].is_pinned()
+    tokens = TOKENS.cuda()
+    for resident in (None, 9):
+        caches = [m.model.set_expert_cache(resident) for m in (kept, plain)]
+        assert caches[0].device_path == (resident is None)
+        got, want = (m.model(tokens, 0, KVCache.growing(m.config, 1, 16, torch.float32, "cuda"))[0] for m in (kept, plain))
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
