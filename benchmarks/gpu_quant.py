@@ -139,6 +139,32 @@ def measure(model, cfg, bw: float, a) -> dict:
             "w16_ms": w16, "w16_over_w1": w16 / w1, "prefill_512_ms": prefill_ms}
 
 
+def dflash_cycle(model, tcfg_d: dict, a) -> dict:
+    """The DFlash cycle through the executor (spec_session.py: target with taps + a random drafter of the
+    Qwen3-8B-DFlash-b16 shape + verifier, CUDA graphs, K = 15) on the target as it is now (bf16 or kept quantized).
+    Random drafts are rejected, so every cycle is a whole cycle's work for one token."""
+    import bench_models
+    import spec_session as ss
+    from gpu_dflash import DRAFTER_8B
+
+    from draftflow.plugins.dflash.config import DFlashConfig
+
+    dcfg_d = dict(DRAFTER_8B)
+    if a.tiny:
+        dcfg_d.update(vocab_size=TINY["vocab_size"], hidden_size=TINY["hidden_size"], intermediate_size=96,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      num_target_layers=TINY["num_hidden_layers"],
+                      dflash_config={"mask_token_id": TINY["vocab_size"] - 1, "target_layer_ids": [0, 1]})
+    drafter = bench_models.drafter(DFlashConfig.from_hf_dict(dcfg_d, "dflash-b16-shape"), gt.DEV, 1)
+    prompt = torch.randint(0, 500, (32 if a.tiny else 256,), generator=torch.Generator().manual_seed(5)).tolist()
+    session = ss.open_session(gt.DEV, model, tcfg_d, drafter, dcfg_d, max_context=1024 if not a.tiny else 96)
+    try:
+        return ss.cycles(session, prompt, 2 if a.tiny else 20, rounds=1 if a.tiny else 3, warm=1 if a.tiny else 3,
+                         sync_cycles=1 if a.tiny else 2)
+    finally:
+        ss.close(session)
+
+
 def time_window(runner, start: int, w: int, a) -> float:
     if not a.tiny:
         return gt.time_runner(runner, start, w, reps=a.reps)
@@ -275,6 +301,14 @@ def table(res: dict) -> str:
                      f"{r['w16_over_w1']:>6.2f} "
                      f"{'-' if r['prefill_512_ms'] is None else format(r['prefill_512_ms'], '.2f'):>14} "
                      f"{'-' if err is None else f'{err:.1e}':>9}")
+    for name, r in res.get("configs", {}).items():
+        d = r.get("dflash", {})
+        if "cycle_ms" in d:
+            lines.append(f"{name}: DFlash cycle (b16-shaped random drafter, K = 15, executor, graphs) {d['cycle_ms']:.3f} ms "
+                         f"= {d['cycle_in_target_steps']:.2f} target 1-token steps, {d['host_syncs_per_cycle']:.1f} host "
+                         "syncs/cycle")
+        elif "error" in d:
+            lines.append(f"{name}: DFlash cycle error: {d['error']}")
     bf16 = res.get("configs", {}).get("bf16", {}).get("tok_s")
     if bf16:
         lines.append("decode speed-up over bf16: " + ", ".join(
@@ -324,6 +358,11 @@ def run(a) -> dict:
             gt.guarded(None, f"repack {config}", lambda: repack_all(model))
         last = base
         results[config] = gt.guarded(None, config, lambda: measure(model, cfg, bw, a))
+        if config in a.dflash_configs.split(",") and "error" not in results[config]:
+            row = gt.guarded(None, f"dflash {config}", lambda: dflash_cycle(model, TINY if a.tiny else gt.QWEN3_8B, a))
+            if "cycle_ms" in row:
+                row["cycle_in_target_steps"] = row["cycle_ms"] / results[config]["w1_ms"]
+            results[config]["dflash"] = row
         if config != "bf16" and "error" not in results[config]:
             results[config]["gemv_rel_err"] = gt.guarded(None, "check", lambda config=config: check_product(model, config))
         res.save("configs", results)
@@ -393,6 +432,8 @@ def main() -> int:
     p.add_argument("--sweep-until-s", type=float, default=75, help="skip the sweep's remaining shapes past this time")
     p.add_argument("--tuned-until-s", type=float, default=190, help="skip the run with the best repacked tile past "
                    "this time")
+    p.add_argument("--dflash-configs", default="bf16,q4_k_m+r", help="configs after which the DFlash cycle runs "
+                   "through the executor (its cost in target steps at that quantization); '' for none")
     p.add_argument("--quick", action="store_true", help="< 4 min on an H200: the projection table (old, repacked with "
                    f"its one-row sweep, cuBLAS), then {QUICK} decode (1- and 16-token windows; no prefill)")
     a = p.parse_args()
