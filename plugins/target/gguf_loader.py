@@ -23,6 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from draftflow.core.budget import fmt_bytes
 from draftflow.layers.config import RopeScaling, TargetConfig, expected_tensors
 from draftflow.plugin import ModelFormatError
 from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
@@ -158,11 +159,23 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
     if torch.device(device).type == "cuda":
         kept_quantized = [tensors[hf] for hf in stay] + (list(merged.values()) if quant_experts else [])
         _warn_dequantized(every.values(), kept_quantized, dtype, source, keep, tp.size)
+        if keep and merged and not quant_experts:  # asked to keep them, and cannot: say what it costs, never silently
+            log.warning(float_experts_warning(list(merged.values()), dtype, source))
     eos = tuple(
         v for k in ("eos_token_id", "eot_token_id", "eom_token_id")
         if (v := _value(reader, f"tokenizer.ggml.{k}")) is not None
     )
     return LoadedTarget(model, cfg, gguf_tokenizer(reader), tuple(dict.fromkeys(eos)), source)
+
+
+def float_experts_warning(merged: list[Any], dtype: torch.dtype, source: str) -> str:
+    """The line a `quantized` load logs when its merged experts must be dequantized to the host after all."""
+    kinds = ", ".join(sorted({type_name(t.tensor_type) for t in merged} - set(LAYOUT)))
+    host = sum(int(t.n_elements) for t in merged) * dtype.itemsize
+    return (f"{source}: routed experts of type {kinds} are dequantized at load: "
+            f"{fmt_bytes(sum(int(t.n_bytes) for t in merged))} in the file take {fmt_bytes(host)} of "
+            f"{str(dtype).removeprefix('torch.')} in host memory; the expert cache keeps only {', '.join(LAYOUT)} "
+            "experts quantized; re-quantize to one of those (e.g. Q4_K_M)")
 
 
 def _quant_host_experts(merged: dict[str, Any], cfg: TargetConfig, dtype: torch.dtype, pin: bool) -> QuantHostExperts:

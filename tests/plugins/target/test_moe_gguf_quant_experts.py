@@ -68,3 +68,20 @@ def test_quantized_experts_on_cuda_match_the_dequantized_target(tmp_path):
         assert caches[0].device_path == (resident is None)
         got, want = (m.model(tokens, 0, KVCache.growing(m.config, 1, 16, torch.float32, "cuda"))[0] for m in (kept, plain))
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_experts_the_cache_cannot_keep_quantized_are_named_with_their_cost():
+    """Merged experts of a type the dequantizer does not read (Q3_K) go to the host as float: the warning names the
+    type, the bytes in the file and in host memory, and the fix."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as T
+
+    from draftflow.plugins.target.gguf_loader import float_experts_warning
+
+    merged = [SimpleNamespace(tensor_type=T.Q3_K, n_elements=48 * 32 * 256, n_bytes=48 * 32 * 110),
+              SimpleNamespace(tensor_type=T.Q4_K, n_elements=48 * 256 * 32, n_bytes=48 * 32 * 144)]
+    line = float_experts_warning(merged, torch.bfloat16, "m.gguf")
+    assert line.startswith("m.gguf: routed experts of type Q3_K are dequantized at load: 381.00 KiB in the file take "
+                           "1.50 MiB of bfloat16 in host memory; the expert cache keeps only Q8_0, "), line
+    assert line.endswith("re-quantize to one of those (e.g. Q4_K_M)")
