@@ -278,8 +278,8 @@ class LayerExperts:
         """Send the host's residency map to the device `slot_key`, queued after the uploads (no sync).
 
         Not element writes: `t[i] = n` on a CUDA tensor is a synchronous copy from pageable memory (the H200 run
-        of 2026-12-01 counted about 2 extra host syncs per promotion). The whole map goes from a fresh pinned buffer instead, which the caching host allocator keeps
-        alive until the copy has run."""
+        of 2026-12-01 counted about 2 extra host syncs per promotion). The whole map goes from a fresh pinned
+        buffer instead, which the caching host allocator keeps alive until the copy has run."""
         key = torch.tensor([s if s >= 0 else self.size for s in self.slot_of], dtype=self.slot_key.dtype)  # [E]
         if self.slot_key.is_cuda:
             key = key.pin_memory()
