@@ -33,7 +33,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from draftflow.core.budget import fmt_bytes
 from draftflow.core.errors import ModelFormatError
 from draftflow.layers.quant_experts import covered
-from draftflow.layers.quant_linear import kept
+from draftflow.layers.quant_linear import LAYOUT, kept
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
@@ -195,6 +195,16 @@ def dequantized_cost(tensors: Iterable[Any], dtype: torch.dtype, source: str, wh
     on_device = sum(int(t.n_elements) for t in quantized) * dtype.itemsize
     return (f"{source}: {kinds} weights are dequantized at load: {fmt_bytes(in_file)} in the file take "
             f"{fmt_bytes(on_device)} of {str(dtype).removeprefix('torch.')} on the GPU; {why}")
+
+
+def float_experts_warning(merged: list[Any], dtype: torch.dtype, source: str) -> str:
+    """The line a `quantized` load logs when its merged experts must be dequantized to the host after all."""
+    kinds = ", ".join(sorted({type_name(t.tensor_type) for t in merged} - set(LAYOUT)))
+    host = sum(int(t.n_elements) for t in merged) * dtype.itemsize
+    return (f"{source}: routed experts of type {kinds} are dequantized at load: "
+            f"{fmt_bytes(sum(int(t.n_bytes) for t in merged))} in the file take {fmt_bytes(host)} of "
+            f"{str(dtype).removeprefix('torch.')} in host memory; the expert cache keeps only {', '.join(LAYOUT)} "
+            "experts quantized; re-quantize to one of those (e.g. Q4_K_M)")
 
 
 def tensor_group(name: str, ne: tuple[int, ...]) -> str:

@@ -23,7 +23,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from draftflow.core.budget import fmt_bytes
 from draftflow.layers.config import RopeScaling, TargetConfig, expected_tensors
 from draftflow.plugin import ModelFormatError
 from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
@@ -32,7 +31,7 @@ from draftflow.layers.moe import HostExperts, is_expert_tensor
 from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_name, merged_views
 from draftflow.layers.tensor_parallel import SINGLE, TPGroup, shard_of, take
 from draftflow.layers.gguf_quants import (FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize,
-                                          dequantized_cost, type_name)
+                                          dequantized_cost, float_experts_warning, type_name)
 from draftflow.layers import quant_linear
 from draftflow.layers.quant_experts import QuantHostExperts, covered
 from draftflow.layers.quant_linear import LAYOUT, PROJECTION, kept, repack_all, swap_in
@@ -166,16 +165,6 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
         if (v := _value(reader, f"tokenizer.ggml.{k}")) is not None
     )
     return LoadedTarget(model, cfg, gguf_tokenizer(reader), tuple(dict.fromkeys(eos)), source)
-
-
-def float_experts_warning(merged: list[Any], dtype: torch.dtype, source: str) -> str:
-    """The line a `quantized` load logs when its merged experts must be dequantized to the host after all."""
-    kinds = ", ".join(sorted({type_name(t.tensor_type) for t in merged} - set(LAYOUT)))
-    host = sum(int(t.n_elements) for t in merged) * dtype.itemsize
-    return (f"{source}: routed experts of type {kinds} are dequantized at load: "
-            f"{fmt_bytes(sum(int(t.n_bytes) for t in merged))} in the file take {fmt_bytes(host)} of "
-            f"{str(dtype).removeprefix('torch.')} in host memory; the expert cache keeps only {', '.join(LAYOUT)} "
-            "experts quantized; re-quantize to one of those (e.g. Q4_K_M)")
 
 
 def _quant_host_experts(merged: dict[str, Any], cfg: TargetConfig, dtype: torch.dtype, pin: bool) -> QuantHostExperts:

@@ -77,7 +77,7 @@ def test_experts_the_cache_cannot_keep_quantized_are_named_with_their_cost():
 
     from gguf import GGMLQuantizationType as T
 
-    from draftflow.plugins.target.gguf_loader import float_experts_warning
+    from draftflow.layers.gguf_quants import float_experts_warning
 
     merged = [SimpleNamespace(tensor_type=T.Q3_K, n_elements=48 * 32 * 256, n_bytes=48 * 32 * 110),
               SimpleNamespace(tensor_type=T.Q4_K, n_elements=48 * 256 * 32, n_bytes=48 * 32 * 144)]
