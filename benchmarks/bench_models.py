@@ -56,28 +56,15 @@ def host_experts(cfg, device: str, gen: torch.Generator, alias: bool = False, dt
     allocation up to a power of two, so two allocations of 39 + 19 GB (Qwen3-30B-A3B) would pin 103 GB
     where one of 58 GB pins 69. `alias`: one layer's experts stand for every layer (module docstring).
     """
-    from draftflow.layers.moe import HostExperts
+    from draftflow.layers.moe import HostExperts, host_block
 
     n, e, i, h = len(cfg.moe_layers), cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     rows = 1 if alias else n
-    split = rows * e * 2 * i * h
-    block = torch.empty(split + rows * e * h * i, dtype=dtype, pin_memory=device == "cuda")
-    gate_up, down = block[:split].view(rows, e, 2 * i, h), block[split:].view(rows, e, h, i)
+    gate_up, down = host_block([((rows, e, 2 * i, h), dtype), ((rows, e, h, i), dtype)], pin=device == "cuda")
     for row in range(rows):
         gate_up[row].copy_(torch.empty((e, 2 * i, h), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen))
         down[row].copy_(torch.empty((e, h, i), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen))
-    if alias:
+    if alias:  # (the expert cache's probe of host reads takes a view of the first row: no copy of the expansion)
         gate_up, down = gate_up.expand(n, e, 2 * i, h), down.expand(n, e, h, i)
-        if device == "cuda":
-            _probe_one_layer()
     return HostExperts(tuple(cfg.moe_layers), gate_up, down)
 
-
-def _probe_one_layer() -> None:
-    # The expert cache probes once whether its kernels can read the pinned stack, from the stack's first 16
-    # elements, which it takes with `reshape(-1)`: on an expanded (aliased) stack that would copy every layer,
-    # i.e. all 155 GB of Qwen3-Next-80B's experts, on the host. Probe the first layer's (contiguous) stack
-    # instead: the same memory, the same answer.
-    from draftflow.layers import expert_cache, moe_kernels
-
-    expert_cache._host_reads_work = lambda host: moe_kernels.host_reads_work(host.gate_up[0])

@@ -27,7 +27,7 @@ from draftflow.layers.config import RopeScaling, TargetConfig, expected_tensors
 from draftflow.plugin import ModelFormatError
 from draftflow.plugins.target.hf_loader import LoadedTarget, check_tensors
 from draftflow.plugins.target.model import TargetModel
-from draftflow.layers.moe import HostExperts, is_expert_tensor
+from draftflow.layers.moe import HostExperts, host_block, is_expert_tensor
 from draftflow.layers.gguf_names import GGUF_ARCHS, gguf_moe_fields, hf_to_gguf_name, merged_views
 from draftflow.layers.tensor_parallel import SINGLE, TPGroup, shard_of, take
 from draftflow.layers.gguf_quants import (FLOAT_TYPES, DequantProgress, TensorInfo, check_layout, dequantize,
@@ -170,15 +170,15 @@ def load_gguf(path: str | os.PathLike[str], device: torch.device | str, dtype: t
 def _quant_host_experts(merged: dict[str, Any], cfg: TargetConfig, dtype: torch.dtype, pin: bool) -> QuantHostExperts:
     """The merged `blk.N.ffn_{gate,up,down}_exps` tensors' bytes per MoE layer, [E, rows, row bytes] uint8 (pinned
     for uploads to CUDA; a copy, so the file can close)."""
-    def stack(layer: int, kind: str) -> tuple[torch.Tensor, str]:
-        t = merged[f"blk.{layer}.ffn_{kind}_exps.weight"]
-        data = np.asarray(t.data)
-        blocks = torch.from_numpy(data.reshape(cfg.num_experts, -1, data.shape[-1]))
-        return (blocks.pin_memory() if pin else blocks.clone()), type_name(t.tensor_type)
-
-    rows = [[stack(layer, kind) for kind in ("gate", "up", "down")] for layer in cfg.moe_layers]
-    return QuantHostExperts(tuple(cfg.moe_layers), [r[0][0] for r in rows], [r[1][0] for r in rows],
-                            [r[2][0] for r in rows], [tuple(p[1] for p in r) for r in rows], cfg.hidden_size,
+    tensors = [merged[f"blk.{layer}.ffn_{kind}_exps.weight"] for layer in cfg.moe_layers for kind in ("gate", "up", "down")]
+    data = [np.asarray(t.data) for t in tensors]
+    data = [d.reshape(cfg.num_experts, -1, d.shape[-1]) for d in data]  # [E, rows, row bytes]
+    stacks = host_block([(d.shape, torch.uint8) for d in data], pin)  # one (pinned) allocation for every layer
+    for stack, d in zip(stacks, data):
+        stack.copy_(torch.from_numpy(d))
+    types = [type_name(t.tensor_type) for t in tensors]
+    return QuantHostExperts(tuple(cfg.moe_layers), stacks[0::3], stacks[1::3], stacks[2::3],
+                            [tuple(types[k:k + 3]) for k in range(0, len(types), 3)], cfg.hidden_size,
                             cfg.moe_intermediate_size, dtype)
 
 
