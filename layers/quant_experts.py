@@ -82,3 +82,44 @@ class QuantHostExperts:
     def nbytes(self) -> int:
         """Host bytes of every expert."""
         return sum(t.nbytes for stack in (self.gate, self.up, self.down) for t in stack)
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_memory_problem(cfg, dtype: torch.dtype, path: str, keep: bool, available: int | None) -> tuple[str, str] | None:
+    """(message, fix) when a MoE target's routed experts need more host memory than `available`, else None.
+
+    The experts live on the host whatever the device (the expert cache serves them from there): as float of
+    `dtype`, or as their GGUF blocks when a kept-quantized load keeps them (`keep`: the target's `quantized`
+    applies on this device; the merged expert tensors' types all covered)."""
+    from draftflow.core.budget import fmt_bytes
+    from draftflow.layers.gguf_quants import header_infos, type_name
+    from draftflow.layers.moe import bytes_per_expert, total_experts
+
+    if not cfg.moe_layers or available is None:
+        return None
+    exps = [i for i in (header_infos(path) or []) if "_exps." in i.name]
+    quantized = exps if covered([type_name(i.type_id) for i in exps]) else []
+    blocks = sum(i.numel // LAYOUT[type_name(i.type_id)][0] * LAYOUT[type_name(i.type_id)][1] for i in quantized)
+    need = blocks if keep and quantized else total_experts(cfg) * bytes_per_expert(cfg, dtype)
+    if need <= available:
+        return None
+    how = "as their GGUF blocks" if keep and quantized else f"as {str(dtype).removeprefix('torch.')}"
+    message = (f"its {total_experts(cfg)} routed experts take {fmt_bytes(need)} of host memory {how}, and this machine "
+               f"has {fmt_bytes(available)} available")
+    if quantized and not keep and blocks <= available:
+        fix = (f"set the target's `quantized: true` on a CUDA device: the experts then stay in their GGUF blocks on the "
+               f"host ({fmt_bytes(blocks)})")
+    else:
+        fix = "use a quantized GGUF (e.g. Q4_K_M) with `quantized: true`, or a machine with more memory"
+    return message, fix

@@ -434,9 +434,27 @@ def check_tensor_parallel(plan):
     return out
 
 
+def check_host_memory(plan):
+    """A MoE target whose routed experts (held on the host: docs/MOE.md) need more host memory than is available
+    fails before anything loads, instead of being killed for memory part way through."""
+    from draftflow.layers.quant_experts import available_host_memory, host_memory_problem
+
+    out, available = [], available_host_memory()
+    for name, node in plan.nodes.items():
+        if node.node_type.factory is not Target:
+            continue
+        path = node.params["path"]
+        keep = is_gguf(path) and keeps_quantized(plan.spec.device, node.params["quantized"], plan.spec.tensor_parallel)
+        found = host_memory_problem(read_any_config(path), getattr(torch, plan.spec.dtype), path, keep, available)
+        if found is not None:
+            out.append(Problem(name, "host-memory", *found, node.node_type.name, plan.spec.at("nodes", name, "params", "path")))
+    return out
+
+
 @hookimpl
 def draftflow_add_checks(registry):
     registry.add_check("tensor-parallel", check_tensor_parallel)
+    registry.add_check("host-memory", check_host_memory)
 
 
 @hookimpl

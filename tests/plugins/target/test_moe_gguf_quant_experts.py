@@ -85,3 +85,41 @@ def test_experts_the_cache_cannot_keep_quantized_are_named_with_their_cost():
     assert line.startswith("m.gguf: routed experts of type Q3_K are dequantized at load: 381.00 KiB in the file take "
                            "1.50 MiB of bfloat16 in host memory; the expert cache keeps only Q8_0, "), line
     assert line.endswith("re-quantize to one of those (e.g. Q4_K_M)")
+
+
+def test_check_refuses_experts_that_do_not_fit_in_host_memory(tmp_path, monkeypatch):
+    """`draftflow check` (build_plan) of a MoE graph whose experts need more host memory than is available: one
+    host-memory problem naming the bytes, where and the fix (keeping a quantized GGUF's experts in their blocks,
+    when that fits), before anything loads; none with enough memory."""
+    from moe_testlib import write_moe_graph
+
+    from draftflow.core.budget import fmt_bytes
+    from draftflow.core.plan import build_plan
+    from draftflow.core.registry import load_registry
+    from draftflow.core.spec import load_graph
+    from draftflow.layers import quant_experts
+
+    path = save_hf_moe(build_hf_moe(layers=2), tmp_path / "hf")
+    convert_hf_to_gguf(path, tmp_path / "m.gguf", "q8_0", "merged")
+    graph = write_moe_graph(tmp_path / "g.yaml", tmp_path / "m.gguf", None)
+    floats = 2 * 48 * 3 * 64 * 32 * 4  # 2 MoE layers x 48 experts x (gate, up, down) of 64 x 32, float32
+    blocks = floats // 4 // 32 * 34  # as Q8_0
+
+    def problems(available):
+        monkeypatch.setattr(quant_experts, "available_host_memory", lambda: available)
+        return [p for p in build_plan(load_graph(graph), load_registry()).problems if p.rule == "host-memory"]
+
+    assert problems(floats) == []
+    [p] = problems(floats - 1)
+    assert p.node == "target" and p.where.startswith(str(graph)), p.where
+    assert p.message == (f"its 96 routed experts take {fmt_bytes(floats)} of host memory as float32, and this machine "
+                         f"has {fmt_bytes(floats - 1)} available")
+    assert p.fix == ("set the target's `quantized: true` on a CUDA device: the experts then stay in their GGUF blocks "
+                     f"on the host ({fmt_bytes(blocks)})")
+    [p] = problems(blocks - 1)
+    assert p.fix == "use a quantized GGUF (e.g. Q4_K_M) with `quantized: true`, or a machine with more memory"
+    # a CUDA graph with `quantized: true` counts the blocks (the rule's function, as the check calls it there)
+    cfg = load_gguf(tmp_path / "m.gguf", "cpu", torch.float32, quantized=False).config
+    assert quant_experts.host_memory_problem(cfg, torch.float32, str(tmp_path / "m.gguf"), True, blocks) is None
+    message, _ = quant_experts.host_memory_problem(cfg, torch.float32, str(tmp_path / "m.gguf"), True, blocks - 1)
+    assert message.startswith(f"its 96 routed experts take {fmt_bytes(blocks)} of host memory as their GGUF blocks")
