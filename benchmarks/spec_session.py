@@ -69,6 +69,12 @@ def open_session(device: str, target, tcfg_d: dict, drafter=None, dcfg_d: dict |
             (root / name).mkdir()
             (root / name / "config.json").write_text(json.dumps(d))
     # The loaders hand the nodes our models while the graph is built, and only then (restored below).
+    from draftflow.layers import quant_experts
+
+    # The models are already in memory (experts possibly aliased: bench_models), so the host-memory rule, which
+    # sizes a load from the config, does not apply: it would refuse the 80B shape that these benchmarks alias.
+    available = quant_experts.available_host_memory
+    quant_experts.available_host_memory = lambda: None
     loaders = (hf_loader.load_hf, dflash_plugin.load_drafter)
     hf_loader.load_hf = lambda path, device, dtype, tp=None: hf_loader.LoadedTarget(target, target.config, None, (),
                                                                                     "random")
@@ -87,6 +93,7 @@ def open_session(device: str, target, tcfg_d: dict, drafter=None, dcfg_d: dict |
         return Session.open(graph_dict=graph)
     finally:
         hf_loader.load_hf, dflash_plugin.load_drafter = loaders
+        quant_experts.available_host_memory = available
 
 
 def plan_row(session) -> dict:
