@@ -112,12 +112,18 @@ class ExpertCache:
         self.staged = torch.zeros(n_layers, e + 2, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self.seen = torch.zeros(n_layers, e, dtype=torch.int32)  # routed counts `rebalance` has folded in
         self.resident_mask = torch.zeros(n_layers, e, dtype=torch.bool)  # [L, E], mirrors the layers' slot_of
+        self.scores = torch.zeros(n_layers, e, dtype=torch.float64)  # [L, E] routing-frequency scores (docs above)
+        # The residency map for the kernels: slot of each expert, `size` (sorting after every slot) when on the
+        # host only; kept on the host and sent whole (`push_keys`), each layer's `slot_key` a row of the device copy
+        self.key_host = torch.empty(n_layers, e, dtype=torch.int64)  # [L, E]
+        self.slot_keys = torch.empty(n_layers, e, dtype=torch.int64, device=self.device)  # [L, E]
         base, extra = divmod(self.resident, n_layers)
         self.layers, start = [], 0
         for row in range(n_layers):
             size = base + (row < extra)
             self.layers.append(LayerExperts(self, row, start, size))
             start += size
+        self.slot_keys.copy_(self.key_host)
 
     def attach(self, blocks) -> None:
         """Hand each MoE block (in `host.layers` order) its layer's view of the cache."""
@@ -153,12 +159,38 @@ class ExpertCache:
         self.seen = routed
         if not bool(fresh.any()):
             return
-        wanted = (fresh > 0) & ~self.resident_mask  # [L, E] routed, read from the host
-        for row, layer in enumerate(self.layers):
-            counts = fresh[row].tolist()
-            layer._note(counts, sum(counts) // self.top_k)
-            if bool(wanted[row].any()):
-                layer.promote(wanted[row].nonzero().flatten().tolist(), counts)
+        # Every layer at once (torch on the host: a Python loop over 48 layers x 512 experts took ~12 ms a window)
+        decay = torch.tensor([_DECAY_PER_TOKEN ** t for t in (fresh.sum(1) // self.top_k).tolist()],
+                             dtype=torch.float64)
+        self.scores.mul_(decay[:, None]).add_(fresh)
+        candidates = (fresh > 0) & ~self.resident_mask  # [L, E] routed, read from the host
+        victims = self.resident_mask & (fresh == 0)  # resident, not routed in these windows
+        placed = set()
+        for _ in range(PROMOTE_PER_LAYER):
+            # per layer: the best-scoring candidate (lowest id on ties) for the worst-scoring victim's slot
+            best = torch.where(candidates, self.scores, float("-inf")).argmax(1)  # [L]
+            worst = torch.where(victims, self.scores, float("inf")).argmin(1)  # [L]
+            rows = torch.arange(len(self.layers))
+            go = candidates.any(1) & victims.any(1) & (self.scores[rows, best] >= self.scores[rows, worst] + PROMOTE_MARGIN)
+            if not bool(go.any()):
+                break
+            for row in go.nonzero().flatten().tolist():
+                layer, new, old = self.layers[row], int(best[row]), int(worst[row])
+                layer._place(new, layer.slot_of[old])
+                candidates[row, new] = victims[row, old] = False
+                placed.add(row)
+                self.upload_bytes += self.bytes_per_expert
+        if placed:
+            self.push_keys()
+
+    def push_keys(self) -> None:
+        """Send the host's residency map to the device, queued after the uploads (no sync).
+
+        Not element writes: `t[i] = n` on a CUDA tensor is a synchronous copy from pageable memory (the H200 run
+        of 2026-12-01 counted about 2 extra host syncs per promotion). The whole [L, E] map goes from a fresh
+        pinned buffer instead, which the caching host allocator keeps alive until the copy has run."""
+        src = self.key_host.pin_memory() if self.slot_keys.is_cuda else self.key_host.clone()
+        self.slot_keys.copy_(src, non_blocking=True)
 
     def upload(self, row: int, expert: int, slot: int) -> None:
         # Queued on the stream before the expert's GEMM (moe.HostExperts, quant_experts.QuantHostExperts).
@@ -170,7 +202,7 @@ class ExpertCache:
 
     def release(self) -> None:
         """Drop the device slots now (layers and cache refer to each other, so refcounting alone would not)."""
-        self.slot_gate_up = self.slot_down = self.tally = None
+        self.slot_gate_up = self.slot_down = self.tally = self.slot_keys = None
         self.layers = []
 
 
@@ -182,14 +214,14 @@ class LayerExperts:
         e = cache.num_experts
         self.slot_of = [-1] * e  # expert -> local slot, -1 when on the host only
         self.expert_in = list(range(size))  # local slot -> expert
-        self.score = [0.0] * e
         for slot, expert in enumerate(self.expert_in):
             self.slot_of[expert] = slot
             cache.resident_mask[row, expert] = True
             cache.upload(row, expert, start + slot)  # warm start: not counted as misses
         # The same map on the device (non-resident = size, sorting after every slot): a window whose
         # experts are all resident after its uploads groups its rows with no host-built index.
-        self.slot_key = torch.tensor([s if s >= 0 else size for s in self.slot_of], device=cache.device)  # [E]
+        cache.key_host[row] = torch.tensor([s if s >= 0 else size for s in self.slot_of])
+        self.slot_key = cache.slot_keys[row]  # [E], filled when every layer is built
         self.arrivals: torch.Tensor | None = None  # int32 zeros: the few-token kernels' arrival counters
 
     def compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -250,44 +282,17 @@ class LayerExperts:
         rows[order] = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
-    def promote(self, candidates: list[int], counts: list[int]) -> None:
-        """Upload the best-scoring `candidates` (routed, not resident) into the slots of resident experts not routed
-        in `counts` that score at least PROMOTE_MARGIN lower; at most PROMOTE_PER_LAYER per call."""
-        score = self.score
-        best = sorted(candidates, key=lambda e: (-score[e], e))[:PROMOTE_PER_LAYER]
-        victims = sorted((s for s in range(self.size) if not counts[self.expert_in[s]]),
-                         key=lambda s: (score[self.expert_in[s]], self.expert_in[s]))
-        placed = 0
-        for expert, slot in zip(best, victims):
-            if score[expert] < score[self.expert_in[slot]] + PROMOTE_MARGIN:
-                break
-            self._place(expert, slot)
-            placed += 1
-        if placed:
-            self.cache.upload_bytes += placed * self.cache.bytes_per_expert
-            self._push_key()
-
     def _place(self, expert: int, slot: int) -> None:
         """Evict the expert in local `slot` and upload `expert` there (host and device maps, queued: no sync)."""
         old, mask = self.expert_in[slot], self.cache.resident_mask[self.row]
         self.slot_of[old], mask[old] = -1, False
         self.slot_of[expert], self.expert_in[slot], mask[expert] = slot, expert, True
-        self.cache.upload(self.row, expert, self.start + slot)  # the caller then pushes the map: `_push_key`
-
-    def _push_key(self) -> None:
-        """Send the host's residency map to the device `slot_key`, queued after the uploads (no sync).
-
-        Not element writes: `t[i] = n` on a CUDA tensor is a synchronous copy from pageable memory (the H200 run
-        of 2026-12-01 counted about 2 extra host syncs per promotion). The whole map goes from a fresh pinned
-        buffer instead, which the caching host allocator keeps alive until the copy has run."""
-        key = torch.tensor([s if s >= 0 else self.size for s in self.slot_of], dtype=self.slot_key.dtype)  # [E]
-        if self.slot_key.is_cuda:
-            key = key.pin_memory()
-        self.slot_key.copy_(key, non_blocking=True)
+        self.cache.key_host[self.row, old], self.cache.key_host[self.row, expert] = self.size, slot
+        self.cache.upload(self.row, expert, self.start + slot)  # the caller then pushes the map: `push_keys`
 
     def _note(self, counts: list[int], tokens: int) -> None:
-        decay = _DECAY_PER_TOKEN ** tokens
-        self.score = [s * decay + c for s, c in zip(self.score, counts)]
+        """Decay this layer's scores by `tokens` tokens and add the window's routed counts."""
+        self.cache.scores[self.row].mul_(_DECAY_PER_TOKEN ** tokens).add_(torch.tensor(counts, dtype=torch.float64))
 
     def _make_resident(self, pending: list[int]) -> tuple[list[int], list[int]]:
         """Upload what fits of `pending`; return (experts resident now, experts left for a later pass)."""
@@ -297,12 +302,13 @@ class LayerExperts:
         if not missing:
             cache.hits += len(hits)
             return hits, []
+        score = self.cache.scores[self.row].tolist()
         free = sorted((s for s in range(self.size) if self.expert_in[s] not in wanted),
-                      key=lambda s: (self.score[self.expert_in[s]], self.expert_in[s]))
+                      key=lambda s: (score[self.expert_in[s]], self.expert_in[s]))
         taken = missing[:len(free)]
         for expert, slot in zip(taken, free):
             self._place(expert, slot)
-        self._push_key()
+        cache.push_keys()
         cache.hits += len(hits)
         cache.misses += len(taken)
         cache.upload_bytes += len(taken) * cache.bytes_per_expert
