@@ -344,7 +344,8 @@ def run(a) -> dict:
     res.save("copy_TBps", bw)
     cfg = TargetConfig.from_hf_dict(TINY if a.tiny else gt.QWEN3_8B, "qwen3-8b-shapes")
     totals: dict = {}
-    gt.guarded(res, "projections", lambda: projections(cfg, a, totals))  # first: its sweep stops at --sweep-until-s
+    if a.projections:
+        gt.guarded(res, "projections", lambda: projections(cfg, a, totals))  # first: its sweep stops at --sweep-until-s
     model = gt.build_model(cfg, seed=0)
     results: dict = {}
     last = "bf16"
@@ -432,6 +433,8 @@ def main() -> int:
     p.add_argument("--sweep-until-s", type=float, default=75, help="skip the sweep's remaining shapes past this time")
     p.add_argument("--tuned-until-s", type=float, default=190, help="skip the run with the best repacked tile past "
                    "this time")
+    p.add_argument("--no-projections", dest="projections", action="store_false",
+                   help="skip the per-projection GEMV table (decode rows only)")
     p.add_argument("--dflash-configs", default="bf16,q4_k_m+r", help="configs after which the DFlash cycle runs "
                    "through the executor (its cost in target steps at that quantization); '' for none")
     p.add_argument("--quick", action="store_true", help="< 4 min on an H200: the projection table (old, repacked with "
