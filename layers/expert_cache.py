@@ -183,14 +183,15 @@ class ExpertCache:
         if placed:
             self.push_keys()
 
-    def push_keys(self) -> None:
-        """Send the host's residency map to the device, queued after the uploads (no sync).
+    def push_keys(self, row: int | None = None) -> None:
+        """Send the host's residency map (every layer's, or layer `row`'s) to the device, queued after the uploads
+        (no sync).
 
         Not element writes: `t[i] = n` on a CUDA tensor is a synchronous copy from pageable memory (the H200 run
-        of 2026-12-01 counted about 2 extra host syncs per promotion). The whole [L, E] map goes from a fresh
-        pinned buffer instead, which the caching host allocator keeps alive until the copy has run."""
-        src = self.key_host.pin_memory() if self.slot_keys.is_cuda else self.key_host.clone()
-        self.slot_keys.copy_(src, non_blocking=True)
+        of 2026-12-01 counted about 2 extra host syncs per promotion). The map goes from a fresh pinned buffer
+        instead, which the caching host allocator keeps alive until the copy has run."""
+        src, dst = (self.key_host, self.slot_keys) if row is None else (self.key_host[row], self.slot_keys[row])
+        dst.copy_(src.pin_memory() if dst.is_cuda else src.clone(), non_blocking=True)
 
     def upload(self, row: int, expert: int, slot: int) -> None:
         # Queued on the stream before the expert's GEMM (moe.HostExperts, quant_experts.QuantHostExperts).
@@ -308,7 +309,7 @@ class LayerExperts:
         taken = missing[:len(free)]
         for expert, slot in zip(taken, free):
             self._place(expert, slot)
-        cache.push_keys()
+        cache.push_keys(self.row)
         cache.hits += len(hits)
         cache.misses += len(taken)
         cache.upload_bytes += len(taken) * cache.bytes_per_expert

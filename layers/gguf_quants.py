@@ -228,7 +228,14 @@ def type_counts(items: Iterable[str]) -> str:
     return ", ".join(f"{k} x {n}" for k, n in Counter(items).most_common())
 
 
-def _file_bytes(i: TensorInfo) -> int:
+def kept_experts(infos: list[TensorInfo]) -> list[TensorInfo]:
+    """The merged routed-expert tensors when a `quantized` load keeps them in their blocks on the host (every one of
+    a type the dequantizer reads: quant_experts.covered); [] otherwise."""
+    exps = [i for i in infos if "_exps." in i.name]
+    return exps if covered([type_name(i.type_id) for i in exps]) else []
+
+
+def file_bytes(i: TensorInfo) -> int:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(i.type_id)]
     return i.numel // block * size
 
@@ -238,9 +245,9 @@ def quantization_lines(infos: list[TensorInfo], dtype: torch.dtype, source: str,
 
     `keep`: the target keeps its covered projections quantized (CUDA, quant_linear.keeps_quantized)."""
     infos = [i for i in infos if i.name != "rope_freqs.weight"]  # consumed by the config
-    file_bytes = sum(map(_file_bytes, infos))
+    in_file = sum(map(file_bytes, infos))
     stay = [i for i in infos if keep and kept(i.name, type_name(i.type_id))]
-    held = _repacked_bytes if _repacks() else _file_bytes
+    held = _repacked_bytes if _repacks() else file_bytes
     device_bytes = sum(map(held, stay)) + (sum(i.numel for i in infos) - sum(i.numel for i in stay)) * dtype.itemsize
     groups: dict[str, list[str]] = {}
     for i in infos:
@@ -252,11 +259,10 @@ def quantization_lines(infos: list[TensorInfo], dtype: torch.dtype, source: str,
         kinds = ", ".join(sorted({type_name(i.type_id) for i in stay}))
         how = ", repacked" if _repacks() else ""
         to = f"{kinds} projections stay quantized on the GPU ({fmt_bytes(sum(map(held, stay)))}{how}), the rest {to}"
-    exps = [i for i in infos if "_exps." in i.name]  # merged routed experts (host-resident, the expert cache's)
-    if keep and covered([type_name(i.type_id) for i in exps]):
-        to += (f"; routed experts stay quantized on the host ({fmt_bytes(sum(map(_file_bytes, exps)))}, "
+    if keep and (exps := kept_experts(infos)):  # merged routed experts (host-resident, the expert cache's)
+        to += (f"; routed experts stay quantized on the host ({fmt_bytes(sum(map(file_bytes, exps)))}, "
                "dequantized on the device per upload)")
-    lines = [f"weights of {source}: {fmt_bytes(file_bytes)} in the file, {to}: {fmt_bytes(device_bytes)} on the device "
+    lines = [f"weights of {source}: {fmt_bytes(in_file)} in the file, {to}: {fmt_bytes(device_bytes)} on the device "
              "(what the VRAM plan counts)"]
     order = ("embeddings", "attention", "mlp", "experts", "router", "norms+biases", "other")
     lines += [f"  {g}: {type_counts(groups[g])}" for g in order if g in groups]
@@ -281,7 +287,7 @@ def kept_savings(path: str, dtype: torch.dtype, repacked: bool | None = None) ->
     at their file bytes, or at quant_repack's row bytes when they are repacked (None: quant_linear.REPACK)."""
     infos = header_infos(path) or []
     repacked = _repacks() if repacked is None else repacked
-    return sum(i.numel * dtype.itemsize - (_repacked_bytes(i) if repacked else _file_bytes(i))
+    return sum(i.numel * dtype.itemsize - (_repacked_bytes(i) if repacked else file_bytes(i))
                for i in infos if kept(i.name, type_name(i.type_id)))
 
 

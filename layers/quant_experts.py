@@ -79,10 +79,6 @@ class QuantHostExperts:
             dequantize(buf, qtype, cols, out.dtype, out=out)
             start += src.nbytes
 
-    def nbytes(self) -> int:
-        """Host bytes of every expert."""
-        return sum(t.nbytes for stack in (self.gate, self.up, self.down) for t in stack)
-
 
 def available_host_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
@@ -103,14 +99,13 @@ def host_memory_problem(cfg, dtype: torch.dtype, path: str, keep: bool, availabl
     `dtype`, or as their GGUF blocks when a kept-quantized load keeps them (`keep`: the target's `quantized`
     applies on this device; the merged expert tensors' types all covered)."""
     from draftflow.core.budget import fmt_bytes
-    from draftflow.layers.gguf_quants import header_infos, type_name
+    from draftflow.layers.gguf_quants import file_bytes, header_infos, kept_experts
     from draftflow.layers.moe import bytes_per_expert, total_experts
 
     if not cfg.moe_layers or available is None:
         return None
-    exps = [i for i in (header_infos(path) or []) if "_exps." in i.name]
-    quantized = exps if covered([type_name(i.type_id) for i in exps]) else []
-    blocks = sum(i.numel // LAYOUT[type_name(i.type_id)][0] * LAYOUT[type_name(i.type_id)][1] for i in quantized)
+    quantized = kept_experts(header_infos(path) or [])
+    blocks = sum(map(file_bytes, quantized))
     need = blocks if keep and quantized else total_experts(cfg) * bytes_per_expert(cfg, dtype)
     if need <= available:
         return None
