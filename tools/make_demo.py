@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from draftflow.core.errors import DraftflowError
 from draftflow.layers.config import TargetConfig
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.tiny_model import EOS, hf_config, train_tokenizer
@@ -213,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     for stage in STAGES:
         if a.stage in ("all", stage):
-            result = make_target(a, out, work) if stage == "target" else make_drafter(stage, a, out, work)
+            try:
+                result = make_target(a, out, work) if stage == "target" else make_drafter(stage, a, out, work)
+            except DraftflowError as exc:  # e.g. a drafter argument `draftflow train` refuses: its one line
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
             (work / f"{stage}.json").write_text(json.dumps(result, indent=2) + "\n")
     summary = {s: json.loads((work / f"{s}.json").read_text()) for s in STAGES if (work / f"{s}.json").exists()}
     (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -43,3 +43,14 @@ def test_continue_dflash_without_a_drafter_is_one_error_line(tmp_path):
     assert str(exc.value) == (f"error: --continue-dflash: no DFlash drafter in {out / 'dflash'}; train one first "
                               "(--stage dflash without --continue-dflash)")
     assert list(out.iterdir()) == []
+
+
+def test_a_drafter_argument_train_refuses_is_one_error_line(tmp_path, capsys):
+    """--eval-windows -1 reaches `draftflow train`'s checks: make_demo prints its one line, returns 1, and OUT is
+    untouched (no traceback, nothing trained)."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(tmp_path / "work"),
+                      "--eval-windows", "-1"]) == 1
+    assert capsys.readouterr().err == "error: --eval-windows -1: must be at least 0 (held-out windows)\n"
+    assert list(out.iterdir()) == []
