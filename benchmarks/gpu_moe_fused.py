@@ -81,7 +81,7 @@ def distinct_experts(model, run, layers: int) -> float:
 
 COLUMNS = ((16, 16), (16, 32), (32, 32), (32, 64), (64, 64), (64, 128))  # (gate/up, down) columns per program
 # few-token kernels: (gate/up columns, K chunks, down columns); the default is small_config's pick
-SMALL = ((8, 4, 16), (16, 1, 16), (16, 4, 32), (32, 2, 16))  # --quick: the first three
+SMALL = ((16, 1, 16), (8, 1, 16), (16, 1, 32), (8, 2, 16), (32, 1, 16), (16, 4, 32))  # (gate/up columns, K chunks, down columns)
 
 
 def graph_ms(fn, reps: int, rounds: int, calls: int = 10) -> float:
@@ -137,7 +137,7 @@ def layer_alone(model, cfg, tokens: int, bw: float, reps: int, quick: bool = Fal
         variants = {"default": {}, "grouped": dict(path="grouped")}
         if fits:
             variants["small"] = dict(path="small")
-            variants.update({f"small {c}": dict(path="small", small=c) for c in (() if gt.DEV == "cpu" else SMALL[:3] if quick else SMALL)})
+            variants.update({f"small {c}": dict(path="small", small=c) for c in (() if gt.DEV == "cpu" else SMALL)})
         if not quick and gt.DEV != "cpu":
             variants.update({f"grouped {c}": dict(path="grouped", columns=c) for c in COLUMNS})
         sweep, graphed, errors = {}, {}, {}
@@ -163,6 +163,34 @@ def layer_alone(model, cfg, tokens: int, bw: float, reps: int, quick: bool = Fal
     return row
 
 
+def router_alone(cfg, reps: int) -> dict:
+    """The post-attention add + RMSNorm and the router at 1 token, captured in CUDA graphs (us): the Triton add_rms
+    then cuBLAS's GEMV then route_topk (three launches) against add_rms_route (one) at each ROUTER_WARPS."""
+    from draftflow.layers import moe_kernels as mk
+    from draftflow.layers import triton_kernels as tk
+
+    h, e, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
+    x, delta = (torch.randn(1, 1, h, device=gt.DEV).to(DTYPE) for _ in range(2))
+    norm_w = torch.randn(h, device=gt.DEV).to(DTYPE)
+    weight = (torch.randn(e, h, device=gt.DEV) * h ** -0.5).to(DTYPE)
+    rounds = 1 if gt.DEV == "cpu" else 5
+
+    def three():
+        _, normed = tk.add_rms(x, delta, norm_w, 1e-6)
+        return mk.route_topk(torch.nn.functional.linear(normed.view(1, h), weight), k, True, DTYPE)
+
+    out = {"three_launches_us": graph_ms(three, reps, rounds) * 1e3}
+    default = mk.ROUTER_WARPS
+    for warps in (1, 2, 4, 8):
+        mk.ROUTER_WARPS = warps
+        try:
+            out[f"add_rms_route_warps{warps}_us"] = graph_ms(
+                lambda: mk.add_rms_route(x, delta, norm_w, 1e-6, False, weight, k, True), reps, rounds) * 1e3
+        finally:
+            mk.ROUTER_WARPS = default
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU through Triton's interpreter (a dry run)")
@@ -170,6 +198,10 @@ def main() -> None:
                    "one layer's expert launches (< 40 s on an H200)")
     p.add_argument("--verify", type=int, default=16, help="tokens of the verify window")
     p.add_argument("--windows", type=int, default=8, help="random verify windows averaged for the distinct-expert count")
+    p.add_argument("--profile", action="store_true", help="also the 1-token step's kernels by class and name "
+                   "(torch.profiler over graph replays)")
+    p.add_argument("--step-variants", action="store_true", help="also the 1-token step at other loop steps of the "
+                   "few-token kernels (gate/up K per step, down K per step)")
     p.add_argument("--out", required=True, help="folder for gpu_moe_fused.json")
     a = p.parse_args()
     from draftflow.layers import moe_kernels as mk
@@ -222,6 +254,23 @@ def main() -> None:
                         "host_syncs_step": host_syncs(lambda: runner(7, None, START)),
                         "host_syncs_window": host_syncs(lambda: runner(7, drafts[0], START))}
         g = res["graph"]
+        if a.profile and dev == "cuda":
+            res["profile_step"] = gt.profile(runner, START, 1, reps, out)
+        if a.step_variants and dev == "cuda":  # the 1-token step at other few-token loop steps, each a fresh capture
+            from draftflow.layers import moe_few_token as ft
+
+            default = (ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J)
+            g["step_variants_ms"] = {}
+            for block_h, block_j in ((256, 256), (512, 256), (256, 512), (512, 512), (1024, 256), (256, 1024)):
+                ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J = block_h, block_j
+                try:
+                    variant = GraphRunner(model, kv, max_window=w, capture=True)
+                    variant(7, None, START)
+                    g["step_variants_ms"][f"gate_up_h{block_h}_down_j{block_j}"] = gt.cuda_ms(
+                        lambda: variant(7, None, START), reps=reps, rounds=rounds)
+                    del variant
+                finally:
+                    ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J = default
         # The same 1-token step with the grouped kernels (the few-token ones switched off): a fresh runner, so a
         # fresh capture
         mk.FEW_TOKEN_KERNELS = False
@@ -255,6 +304,7 @@ def main() -> None:
             cache.device_path = True
             res["eager"] = eager
         res["layer_alone"] = [layer_alone(model, cfg, t, bw, reps, a.quick) for t in (1, w)]
+        res["router_alone"] = router_alone(cfg, reps)
     res["elapsed_s"] = time.monotonic() - began
     (out / "gpu_moe_fused.json").write_text(json.dumps(res, indent=1))
     report(res, cfg, w, out)
@@ -262,6 +312,19 @@ def main() -> None:
 
 def report(res: dict, cfg, w: int, out: Path) -> None:
     f, g = res["floor"], res["graph"]
+    for name, ms in g.get("step_variants_ms", {}).items():
+        print(f"1-token step, {name}: {ms:.3f} ms = {f['floor_ms'] / ms:.1%} of the floor")
+    if "router_alone" in res:
+        print("post-attention add + RMSNorm + router, 1 token, CUDA graph (us): "
+              + ", ".join(f"{name[:-3]} {us:.2f}" for name, us in res["router_alone"].items()))
+    if "profile_step" in res:
+        prof = res["profile_step"]
+        print(f"1-token step profile ({prof['source']}): {prof['kernels_per_step']:.0f} kernels, busy "
+              f"{prof['busy_ms']:.3f} ms, idle {prof['idle_ms']:.3f} ms of {prof['step_ms']:.3f} ms")
+        for name, cls in prof["classes"].items():
+            print(f"    {name:44}{cls['ms']:>8.3f} ms{cls['kernels']:>6.0f} kernels")
+        for name, ms in prof["top_kernels"]:
+            print(f"    {ms:>8.3f} ms  {name}")
     one, win = g["step_ms"], g[f"window{w}_ms"]
     print(f"MoE, every expert resident: {res['device']}, torch {res['torch']}; {res['moe_layers']} MoE layers x "
           f"{cfg.num_experts} experts of {res['bytes_per_expert'] / 2**20:.2f} MiB, top-{res['top_k']}; copy "

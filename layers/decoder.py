@@ -91,7 +91,7 @@ class Attention(nn.Module):
             out = attend(q, keys, values, window)  # [B, T, QH*D]
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))
-        return self.o_proj(out)
+        return kernels.project(self.o_proj, out)
 
 
 class MLP(nn.Module):

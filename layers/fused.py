@@ -9,7 +9,8 @@ them is launch-bound. `Kernels` is the choice a forward runs those pieces with:
 - ``prologue=True`` / ``split_attention=True`` (CUDA): the Triton kernels of
   ``triton_kernels`` do q/k-norm + RoPE + the KV write in one launch and attention split
   over key blocks; ``elementwise=True`` (CUDA): residual add + RMSNorm and the SiLU gate
-  as Triton kernels (no torch.compile, so nothing is traced at warm-up).
+  as Triton kernels (no torch.compile, so nothing is traced at warm-up), and the one-row
+  attention output projection as `gemv.linear` where that measured faster than cuBLAS.
 
 Every variant rounds where the plain ops round, so float32 results agree to rounding.
 `fuse_projections` lets q/k/v and gate/up run as one product each without copying weights
@@ -85,6 +86,7 @@ class Kernels:
         self.compiled, self.elementwise = compiled, elementwise
         self.rms, self.add_rms, self.qk_rope, self.silu_mul = map(wrap, (rms, add_rms, qk_rope, silu_mul))
         self.prologue = self.split_attention = None
+        self.project = _project
         if prologue or split_attention or elementwise:
             from draftflow.layers import triton_kernels
 
@@ -113,7 +115,21 @@ class Kernels:
                 return tk.silu_mul(gate, up)
             return plain_silu_mul(gate, up)
 
-        self.rms, self.add_rms, self.silu_mul = rms_, add_rms_, silu_mul_
+        def project_(linear, x):
+            from draftflow.layers import gemv
+
+            weight = getattr(linear, "weight", None)
+            if (type(linear) is nn.Linear and linear.bias is None and x.is_cuda and gemv.fits(x, weight)
+                    and gemv.prefer(weight)):
+                return gemv.linear(x, weight)
+            return linear(x)
+
+        self.rms, self.add_rms, self.silu_mul, self.project = rms_, add_rms_, silu_mul_, project_
+
+
+def _project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # The attention output projection: the module itself (the Triton elementwise kernels may take one-row products)
+    return linear(x)
 
 
 PLAIN = Kernels()

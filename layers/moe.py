@@ -215,18 +215,40 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.experts: LayerExperts | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, H] -> [B, T, H]; all B*T tokens of the window are routed and served at once.
+    def norm_and_route(self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       offset: bool, kernels) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """The residual add and post-attention norm before this block: (x + delta, its RMSNorm, routing or None).
+
+        With the Triton elementwise kernels on the device path, the norm and this block's routing are one launch
+        (`moe_kernels.add_rms_route`) and the routing is passed to `forward`; otherwise `kernels.add_rms` and None.
+        """
+        if (kernels.elementwise and self.experts is not None and self.experts.cache.device_path and x.is_cuda
+                and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype):
+            from draftflow.layers.moe_kernels import add_rms_route, router_fits
+
+            if router_fits(x, self.gate):
+                return add_rms_route(x, delta, norm_weight, eps, offset, self.gate.weight, self.top_k,
+                                     self.norm_topk_prob)
+        return (*kernels.add_rms(x, delta, norm_weight, eps, offset), None)
+
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # x: [B, T, H] -> [B, T, H]; all B*T tokens of the window are routed and served at once. routing: (weights,
+        # ids) [N, k] from norm_and_route, already computed on the device.
         if self.experts is None:
             raise RuntimeError("MoE block has no expert cache attached; call TargetModel.set_expert_cache first")
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        logits = self.gate(flat)  # [N, E]
         if self.experts.cache.device_path:  # routing and experts on the device (expert_cache.py), no host sync
-            from draftflow.layers.moe_kernels import route_topk
+            from draftflow.layers.moe_kernels import route_topk, router_fits, router_topk
 
-            weights, ids = route_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)  # [N, k], [N, k]
+            if routing is not None:
+                weights, ids = routing
+            elif router_fits(flat, self.gate):  # router GEMV + routing in one launch
+                weights, ids = router_topk(flat, self.gate.weight, self.top_k, self.norm_topk_prob)  # [N, k], [N, k]
+            else:
+                weights, ids = route_topk(self.gate(flat), self.top_k, self.norm_topk_prob, x.dtype)
             out = self.experts.compute_device(flat, ids, weights)  # [N, H]
         else:
+            logits = self.gate(flat)  # [N, E]
             weights, ids = route(logits, self.top_k, self.norm_topk_prob, x.dtype)  # [N, k], [N, k]
             out = self.experts.compute(flat, ids, weights)  # [N, H]
         if self.has_shared:

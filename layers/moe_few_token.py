@@ -19,6 +19,8 @@ from draftflow.layers.triton_kernels import _round
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_MAX_PAIRS = 32
 SMALL_MAX_TOKENS = 8
+GATE_UP_BLOCK_H = 256  # K (hidden) per gate/up loop step
+DOWN_BLOCK_J = 256  # K (expert width) per down loop step
 
 
 @triton.jit
@@ -197,11 +199,13 @@ def small_config(tokens: int, pairs: int, h: int, i: int, device: torch.device) 
     if _INTERPRETED:
         return 64, 2, 64  # the interpreter pays per program: wide tiles (and the split reduce exercised)
     # sm_90 (ptxas, 4 warps, no spills): gate/up 16 columns x 256 of K take 96 registers at 1 token, 128 at 4
-    # (32 columns: 168 and 255); down 16 / 32 columns take 56 / 80 at 1 token, 72 / 128 at 4 (64: 128 / 255).
-    # So 8 tokens take 8 and 16 columns; fewer take 16 and 16 or 32 (test_moe_kernels_compile.py prints these).
+    # (32 columns: 168 and 255); down 16 / 32 columns take 56 / 80 at 1 token, 72 / 128 at 4 (64: 128 / 255)
+    # (test_moe_kernels_compile.py prints these). Gate/up takes 8 columns: at the 30B shape's decode (8 pairs x 768
+    # columns) that is 768 programs and no K split, one layer's experts in 25.2 us on the H200 against 27.9 for 16
+    # columns split in 2 and 25.9 for 16 unsplit (benchmarks/gpu_moe_fused.py --quick, 2026-12-01).
     want = 4 * _multiprocessors(device)
     many = tokens > 4
-    block_i = 8 if many else 16
+    block_i = 8
     split = max(1, min(triton.cdiv(want, pairs * triton.cdiv(i, block_i)), h // 512))
     block_n = 16 if many or pairs * triton.cdiv(h, 32) < want else 32
     return block_i, split, block_n
@@ -223,7 +227,7 @@ def small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, 
     if counters is None:
         counters = torch.zeros(counter_size(h, i), dtype=torch.int32, device=x.device)
     n_i, n_h = triton.cdiv(i, block_i), triton.cdiv(h, block_n)
-    block_h = max(16, min(256, triton.next_power_of_2(triton.cdiv(h, split))))
+    block_h = max(16, min(GATE_UP_BLOCK_H, triton.next_power_of_2(triton.cdiv(h, split))))
     chunk = triton.cdiv(triton.cdiv(h, split), block_h) * block_h
     split = triton.cdiv(h, chunk)
     is_bf16 = x.dtype == torch.bfloat16
@@ -239,7 +243,8 @@ def small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, 
     _down_small_kernel[(pairs, n_h)](
         act, ids, weights, slot_of, down, host_down, z, out, counters[SMALL_MAX_PAIRS * triton.cdiv(i, 8):], n, h, i,
         gate_up.shape[0], down.stride(0), host_down.stride(0), BLOCK_N=block_n,
-        BLOCK_J=256 if i >= 256 else max(16, triton.next_power_of_2(i)), IS_BF16=is_bf16, **common, num_warps=4,
+        BLOCK_J=DOWN_BLOCK_J if i >= DOWN_BLOCK_J else max(16, triton.next_power_of_2(i)), IS_BF16=is_bf16, **common,
+        num_warps=4,
     )
     return out
 

@@ -42,7 +42,7 @@ import triton.language as tl
 from draftflow.layers.quant_gemv import REDUCE_BLOCK, _reduce_kernel, _sm_count
 from draftflow.layers.quant_kernels import _INTERPRETED, _f32, matmul_with
 from draftflow.layers.quant_repack import RTYPES, SPEC, row_bytes, sections
-from draftflow.layers.triton_kernels import _round
+from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters
 
 DOT_MIN_ROWS = 2  # the multiply-add path is written for one row
 _CODE = {name: i for i, name in enumerate(RTYPES)}  # Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
@@ -53,18 +53,6 @@ MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
 PREFETCH = False  # one row: load step i + 1's tile while step i computes (sm_90 Q4_K: 128 registers, +0.4 instructions
 # a weight; Q8_0 / Q6_K: 96 / 80 registers): off until the H200 sweep (benchmarks/gpu_quant.py) says otherwise
 FUSED_REDUCE = True  # split-K partials summed by each tile's last-arriving program (one launch); False: _reduce_kernel
-COUNTERS = 1 << 16  # arrival counters per (device, stream): row tiles of one launch, at most
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """int32 zeros, one per row tile, for launches on the current stream (the kernels leave them zeroed). Never
-    freed or replaced: a captured CUDA graph keeps their address (a capture allocates its own, on its stream)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 class Plan(NamedTuple):
@@ -354,7 +342,7 @@ def gemv(
     tiles = triton.cdiv(n, block_n)
     fused = split > 1 and (FUSED_REDUCE if fused_reduce is None else fused_reduce) and tiles <= COUNTERS \
         and m <= FUSED_MAX_ROWS
-    count = _counters(x.device) if fused else part
+    count = arrival_counters(x.device) if fused else part
     _gemv_kernel[(tiles, split)](
         x, w32, w8, w16, bias if bias is not None else x, out, part, count, m, n, row_words, goff, soff, n_units, per,
         x.stride(0), out.stride(0), MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=units, BLOCK_M=block_m,

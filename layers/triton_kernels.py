@@ -16,6 +16,22 @@ import triton
 import triton.language as tl
 
 
+COUNTERS = 1 << 16  # arrival counters per (device, stream): tiles (or rows) of one launch, at most
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """int32 zeros for "last arriver" kernels (split-K GEMVs, the fused router) launched on the current stream: each
+    such kernel takes a counter per tile with an acquire-release atomic and the last program to arrive resets it, so
+    kernels of one stream can share them. Never freed or replaced: a captured CUDA graph keeps their address (a
+    capture allocates its own, on its stream)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 @triton.jit
 def _round(x, IS_BF16: tl.constexpr):
     # The eager path stores every intermediate in the model dtype; round the same way (to
@@ -113,10 +129,14 @@ def qk_rope_write(
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr,  # inputs
     m_ptr, l_ptr, acc_ptr,  # per-split partial results
+    o_ptr, count_ptr,  # MERGE: the output [B, W, KVH*G*D] and one arrival counter per (b, kvh)
     stride_cache_b, stride_cache_pos, stride_start, scale, W, R, NSPLIT,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
-    # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block)
+    # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block).
+    # MERGE (= NSPLIT, at most MERGE_MAX_SPLITS; 0: _attn_combine_kernel merges): the last of a (b, kvh)'s programs
+    # to arrive merges the blocks' partials in block order, as _attn_combine_kernel does, and writes o
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
@@ -147,6 +167,27 @@ def _attn_split_kernel(
     tl.store(m_ptr + out, m, mask=rows < R)
     tl.store(l_ptr + out, tl.sum(p, 1), mask=rows < R)
     tl.store(acc_ptr + out[:, None] * D + dims[None, :], acc, mask=rows[:, None] < R)
+    if MERGE > 0:
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel") + 1
+        if done == MERGE:
+            live = rows < R
+            top = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+            for sp in tl.static_range(MERGE):  # unrolled: every block's loads in flight at once
+                top = tl.maximum(top, tl.load(m_ptr + (bh * MERGE + sp) * R + rows, mask=live, other=-1.0e30,
+                                              cache_modifier=".cg"))
+            total = tl.zeros([BLOCK_R], dtype=tl.float32)
+            merged = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+            for sp in tl.static_range(MERGE):  # block order: the combine kernel's sums
+                idx = (bh * MERGE + sp) * R + rows
+                weight = tl.exp(tl.load(m_ptr + idx, mask=live, other=-1.0e30, cache_modifier=".cg") - top)
+                total += weight * tl.load(l_ptr + idx, mask=live, other=0.0, cache_modifier=".cg")
+                merged += weight[:, None] * tl.load(acc_ptr + idx[:, None] * D + dims[None, :], mask=live[:, None],
+                                                    other=0.0, cache_modifier=".cg")
+            o = ((b * W + rows % W) * (KVH * (R // W)) + kvh * (R // W) + rows // W) * D
+            tl.store(o_ptr + o[:, None] + dims[None, :],
+                     (merged / tl.where(live, total, 1.0)[:, None]).to(o_ptr.dtype.element_ty), mask=live[:, None])
+            tl.store(count_ptr + bh, 0)  # ready for the next launch (or graph replay)
 
 
 @triton.jit
@@ -176,6 +217,12 @@ def _attn_combine_kernel(
     tl.store(o_ptr + ((b * W + w) * (KVH * G) + kvh * G + g) * D + dims, (acc / total).to(o_ptr.dtype.element_ty))
 
 
+# The split kernel's last program merges the key blocks (unrolled; one launch instead of two) for up to this many blocks
+# and query rows: on the H200 (benchmarks/gpu_quant.py, gpu_moe_fused.py, 2026-12-01) this took the Qwen3-8B decode step
+# from 4.700 to 4.626 ms and left the 30B-A3B MoE step as it was (2.928 / 2.937 ms), but a 16-token verify window's
+# 128 rows (8 query heads per KV head) made the MoE window slower (5.20 -> 5.70 ms): wider windows keep the combine kernel.
+MERGE_MAX_SPLITS = 8
+MERGE_MAX_ROWS = 16
 ATTN_BLOCK_N = 64  # keys per program: a 256-key bucket gives 4 programs per KV head, 4096 keys 64
 
 
@@ -197,13 +244,16 @@ def decode_attention(
     m = torch.empty(b * kvh, nsplit, rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(b * kvh, nsplit, rows, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
+    merge = nsplit if nsplit <= MERGE_MAX_SPLITS and rows <= MERGE_MAX_ROWS else 0
     _attn_split_kernel[(b * kvh, nsplit)](
-        q, k_cache, v_cache, start, m, l, acc,
+        q, k_cache, v_cache, start, m, l, acc, out, arrival_counters(q.device),
         k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit,
         KVH=kvh, D=d, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_N=ATTN_BLOCK_N,
-        IS_FP32=q.dtype == torch.float32, num_warps=4,
+        IS_FP32=q.dtype == torch.float32, MERGE=merge, num_warps=4,
     )
-    out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
+    if merge:
+        return out
     _attn_combine_kernel[(b * kvh, rows)](
         m, l, acc, out, w, rows, NSPLIT=nsplit, KVH=kvh, G=rows // w, D=d, num_warps=1,
     )
@@ -215,6 +265,23 @@ def decode_attention(
 # constants, so a fresh process loads them in milliseconds instead of re-tracing with dynamo
 # (the compile was most of the warm-up, docs/BENCHMARKS.md). Rounding follows the plain ops.
 @triton.jit
+def add_rms_row(x_ptr, d_ptr, w_ptr, cols, live, H, eps, HAS_DELTA: tl.constexpr, OFFSET: tl.constexpr,
+                IS_BF16: tl.constexpr):
+    # One row: (sum = x + delta rounded like the storage dtype, RMSNorm(sum) rounded where the plain ops round), both
+    # float32 [BLOCK]
+    s = tl.load(x_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        s = _round(s + tl.load(d_ptr + cols, mask=live, other=0.0).to(tl.float32), IS_BF16)
+    h = s * tl.math.rsqrt(tl.sum(s * s, 0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    if OFFSET:  # (h * (1 + w)) in float32, one rounding
+        y = h * (1.0 + w)
+    else:  # w * h.to(dtype): round h, then the product
+        y = _round(w * _round(h, IS_BF16), IS_BF16)
+    return s, y
+
+
+@triton.jit
 def _add_rms_kernel(
     x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, eps,
     BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, OFFSET: tl.constexpr, IS_BF16: tl.constexpr,
@@ -223,16 +290,9 @@ def _add_rms_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < H
-    s = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
+    s, y = add_rms_row(x_ptr + row * H, d_ptr + row * H, w_ptr, cols, live, H, eps, HAS_DELTA, OFFSET, IS_BF16)
     if HAS_DELTA:
-        s = _round(s + tl.load(d_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32), IS_BF16)
         tl.store(sum_ptr + row * H + cols, s.to(sum_ptr.dtype.element_ty), mask=live)
-    h = s * tl.math.rsqrt(tl.sum(s * s, 0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    if OFFSET:  # (h * (1 + w)) in float32, one rounding
-        y = h * (1.0 + w)
-    else:  # w * h.to(dtype): round h, then the product
-        y = _round(w * _round(h, IS_BF16), IS_BF16)
     tl.store(out_ptr + row * H + cols, y.to(out_ptr.dtype.element_ty), mask=live)
 
 

@@ -162,8 +162,13 @@ class TargetModel(nn.Module):
                 delta = layer.self_attn(h, cos, sin, cache, layer.slot, window=window, kernels=kernels)
             if reduce is not None:
                 delta = reduce(delta)
-            x, h = ops.add_rms(x, delta, layer.post_attention_layernorm.weight, eps, offset)
-            delta = layer.mlp(h) if isinstance(layer.mlp, SparseMoeBlock) else layer.mlp(h, kernels)
+            if isinstance(layer.mlp, SparseMoeBlock):  # its routing may come with the norm, in one launch
+                x, h, routing = layer.mlp.norm_and_route(x, delta, layer.post_attention_layernorm.weight, eps, offset,
+                                                         ops)
+                delta = layer.mlp(h, routing)
+            else:
+                x, h = ops.add_rms(x, delta, layer.post_attention_layernorm.weight, eps, offset)
+                delta = layer.mlp(h, kernels)
             if reduce is not None:
                 delta = reduce(delta)
             norm = self.layers[i + 1].input_layernorm.weight if i < last else self.norm.weight

@@ -90,6 +90,43 @@ def test_route_topk_matches_route(norm):
         torch.testing.assert_close(got_w.sum(-1), torch.ones(7, device=DEVICE))
 
 
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("experts,hidden,tokens", [(48, 64, 3), (130, 40, 1)])
+def test_router_topk_is_the_router_gemv_then_route(experts, hidden, tokens, norm):
+    """The router's GEMV and routing in one launch (many expert blocks, one last arriver per token; widths not
+    multiples of the blocks): moe.route's ids on F.linear's logits, its weights to float32 rounding, and every
+    arrival counter back at zero (a CUDA graph replays the launch)."""
+    from draftflow.layers.triton_kernels import arrival_counters
+
+    gen = torch.Generator().manual_seed(experts + tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    weight = torch.randn(experts, hidden, generator=gen).to(DEVICE)
+    want_w, want_ids = route(torch.nn.functional.linear(x, weight), 6, norm, torch.float32)
+    got_w, got_ids = moe_kernels.router_topk(x, weight, 6, norm)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+    assert not arrival_counters(x.device).any()
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_add_rms_route_is_the_norm_then_the_router(offset):
+    """The residual add, post-attention RMSNorm (with Qwen3-Next's (1 + w) offset too) and the router in one launch:
+    the plain ops' sum and normed rows, and moe.route's ids on F.linear of the normed rows (float32)."""
+    from draftflow.layers import fused
+
+    gen = torch.Generator().manual_seed(7)
+    x, delta = (torch.randn(1, 3, 40, generator=gen).to(DEVICE) for _ in range(2))
+    norm_w = torch.randn(40, generator=gen).to(DEVICE)
+    weight = torch.randn(48, 40, generator=gen).to(DEVICE)
+    want_sum, want_normed = fused.add_rms(x, delta, norm_w, 1e-6, offset)
+    want_w, want_ids = route(torch.nn.functional.linear(want_normed.reshape(3, 40), weight), 4, True, torch.float32)
+    total, normed, (got_w, got_ids) = moe_kernels.add_rms_route(x, delta, norm_w, 1e-6, offset, weight, 4, True)
+    torch.testing.assert_close(total, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(normed, want_normed, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+
+
 def test_shared_expert_and_a_batch_of_rows():
     """A shared expert (Qwen3-Next) and a [2, 3] batch of windows, raw top-k weights: still the grouped path's output."""
     block, cache = _block(8, 2, norm=False, seed=5, shared=48)

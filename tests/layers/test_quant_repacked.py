@@ -23,6 +23,7 @@ from torch import nn  # noqa: E402
 
 from draftflow.layers import quant_gemv_repacked as rg  # noqa: E402
 from draftflow.layers import quant_kernels as qk  # noqa: E402
+from draftflow.layers.triton_kernels import arrival_counters  # noqa: E402
 from draftflow.layers import quant_repack as qr  # noqa: E402
 from draftflow.layers.fused import fuse_projections, fused_linear  # noqa: E402
 from draftflow.layers.quant_linear import LAYOUT, QuantLinear, repack_all  # noqa: E402
@@ -133,7 +134,7 @@ def test_split_k_ranges_bias_and_column_slices(qtype):
                                           fused_reduce=False))
         if m == 1:  # loading the next step's tile during this one changes nothing but timing
             assert torch.equal(y, rg.gemv(x, packed, qtype, bias, block_n=16, units=8, split_k=split, prefetch=True))
-    assert not rg._counters(x.device).any()  # every arrival counter is back at zero (this stream's)
+    assert not arrival_counters(x.device).any()  # every arrival counter is back at zero (this stream's)
     wide = torch.full((4, 3 * n), 7.0, dtype=torch.bfloat16, device=DEV)
     xb = torch.randn(4, k, generator=gen).to(DEV).to(torch.bfloat16)
     y = rg.gemv(xb, packed, qtype, bias, out=wide[:, n:2 * n], block_n=16, units=8, split_k=3)

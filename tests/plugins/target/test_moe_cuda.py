@@ -21,7 +21,7 @@ from draftflow.plugins.target.graphs import GraphRunner
 from draftflow.plugins.target.hf_loader import load_hf
 
 triton = pytest.importorskip("triton")
-from draftflow.layers.moe_kernels import route_topk  # noqa: E402
+from draftflow.layers.moe_kernels import add_rms_route, route_topk, router_topk  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]
@@ -76,6 +76,54 @@ def test_route_topk_matches_route_on_cuda(norm):
     got_w, got_ids = route_topk(logits, 8, norm, torch.float32)
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (512, 10)])
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_router_topk_is_the_router_gemv_then_route_on_cuda(tokens, experts, top_k, dtype):
+    """The fused router (GEMV + routing, one launch) at the 30B and 80B shapes (hidden 2048), decode to the longest
+    fused window, eager and replayed in a CUDA graph: float32 gives route_topk(F.linear)'s ids and weights; bf16 rounds
+    its logits to bf16 as cuBLAS's output is, so ids agree except where two logits are a bf16 step apart (ties)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens + experts)
+    x = torch.randn(tokens, 2048, generator=gen, device="cuda").to(dtype)
+    weight = (torch.randn(experts, 2048, generator=gen, device="cuda") * 2048 ** -0.5).to(dtype)
+    with torch.inference_mode():
+        want_w, want_ids = route_topk(torch.nn.functional.linear(x, weight), top_k, True, dtype)
+        got_w, got_ids = router_topk(x, weight, top_k, True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replay_w, replay_ids = router_topk(x, weight, top_k, True)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(replay_ids, got_ids) and torch.equal(replay_w, got_w)
+    if dtype == torch.float32:
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+    else:
+        same = (got_ids.sort(-1).values == want_ids.sort(-1).values).all(-1).float().mean().item()
+        assert same >= 0.9, f"only {same:.0%} of tokens routed to the same experts"
+        torch.testing.assert_close(got_w.float().sort(-1).values, want_w.float().sort(-1).values, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_add_rms_route_is_add_rms_then_the_router_on_cuda(tokens):
+    """bf16 at the 80B shape (hidden 2048, 512 experts, top-10, the (1 + w) norm): the Triton add_rms's sum and normed
+    rows bit for bit, and the fused router's routing on them (ties aside)."""
+    from draftflow.layers import triton_kernels as tk
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x, delta = (torch.randn(1, tokens, 2048, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    norm_w = (torch.randn(2048, generator=gen, device="cuda") * 0.1).bfloat16()
+    weight = (torch.randn(512, 2048, generator=gen, device="cuda") * 2048 ** -0.5).bfloat16()
+    with torch.inference_mode():
+        want_sum, want_normed = tk.add_rms(x, delta, norm_w, 1e-6, True)
+        want_w, want_ids = router_topk(want_normed.reshape(tokens, 2048), weight, 10, True)
+        total, normed, (got_w, got_ids) = add_rms_route(x, delta, norm_w, 1e-6, True, weight, 10, True)
+    assert torch.equal(total, want_sum) and torch.equal(normed, want_normed)
+    same = (got_ids.sort(-1).values == want_ids.sort(-1).values).all(-1).float().mean().item()
+    assert same >= 0.9, f"only {same:.0%} of tokens routed to the same experts"
 
 
 @pytest.fixture(scope="module")
