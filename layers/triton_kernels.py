@@ -129,14 +129,10 @@ def qk_rope_write(
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr,  # inputs
     m_ptr, l_ptr, acc_ptr,  # per-split partial results
-    o_ptr, count_ptr,  # MERGE: the output [B, W, KVH*G*D] and one arrival counter per (b, kvh)
     stride_cache_b, stride_cache_pos, stride_start, scale, W, R, NSPLIT,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
-    MERGE: tl.constexpr,
 ):
-    # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block).
-    # MERGE (= NSPLIT, at most MERGE_MAX_SPLITS; 0: _attn_combine_kernel merges): the last of a (b, kvh)'s programs
-    # to arrive merges the blocks' partials in block order, as _attn_combine_kernel does, and writes o
+    # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
@@ -167,27 +163,6 @@ def _attn_split_kernel(
     tl.store(m_ptr + out, m, mask=rows < R)
     tl.store(l_ptr + out, tl.sum(p, 1), mask=rows < R)
     tl.store(acc_ptr + out[:, None] * D + dims[None, :], acc, mask=rows[:, None] < R)
-    if MERGE > 0:
-        tl.debug_barrier()  # every thread's partials are written before the release below
-        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel") + 1
-        if done == MERGE:
-            live = rows < R
-            top = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-            for sp in tl.static_range(MERGE):  # unrolled: every block's loads in flight at once
-                top = tl.maximum(top, tl.load(m_ptr + (bh * MERGE + sp) * R + rows, mask=live, other=-1.0e30,
-                                              cache_modifier=".cg"))
-            total = tl.zeros([BLOCK_R], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-            for sp in tl.static_range(MERGE):  # block order: the combine kernel's sums
-                idx = (bh * MERGE + sp) * R + rows
-                weight = tl.exp(tl.load(m_ptr + idx, mask=live, other=-1.0e30, cache_modifier=".cg") - top)
-                total += weight * tl.load(l_ptr + idx, mask=live, other=0.0, cache_modifier=".cg")
-                merged += weight[:, None] * tl.load(acc_ptr + idx[:, None] * D + dims[None, :], mask=live[:, None],
-                                                    other=0.0, cache_modifier=".cg")
-            o = ((b * W + rows % W) * (KVH * (R // W)) + kvh * (R // W) + rows // W) * D
-            tl.store(o_ptr + o[:, None] + dims[None, :],
-                     (merged / tl.where(live, total, 1.0)[:, None]).to(o_ptr.dtype.element_ty), mask=live[:, None])
-            tl.store(count_ptr + bh, 0)  # ready for the next launch (or graph replay)
 
 
 @triton.jit
@@ -217,12 +192,9 @@ def _attn_combine_kernel(
     tl.store(o_ptr + ((b * W + w) * (KVH * G) + kvh * G + g) * D + dims, (acc / total).to(o_ptr.dtype.element_ty))
 
 
-# The split kernel's last program merges the key blocks (unrolled; one launch instead of two) for up to this many blocks
-# and query rows: on the H200 (benchmarks/gpu_quant.py, gpu_moe_fused.py, 2026-12-01) this took the Qwen3-8B decode step
-# from 4.700 to 4.626 ms and left the 30B-A3B MoE step as it was (2.928 / 2.937 ms), but a 16-token verify window's
-# 128 rows (8 query heads per KV head) made the MoE window slower (5.20 -> 5.70 ms): wider windows keep the combine kernel.
-MERGE_MAX_SPLITS = 8
-MERGE_MAX_ROWS = 16
+# (Tried on 2026-12-01: the split kernel's last program merging the blocks, one launch instead of two. On the H200
+# it took the Qwen3-8B decode step from 4.700 to 4.626 ms but made 16-token verify windows slower, 4.921 -> 5.030 ms
+# (8B) and 5.19 -> 5.70 ms (30B-A3B MoE), even where a window kept the combine kernel; not kept.)
 ATTN_BLOCK_N = 64  # keys per program: a 256-key bucket gives 4 programs per KV head, 4096 keys 64
 
 
@@ -244,16 +216,13 @@ def decode_attention(
     m = torch.empty(b * kvh, nsplit, rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(b * kvh, nsplit, rows, d, dtype=torch.float32, device=q.device)
-    out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
-    merge = nsplit if nsplit <= MERGE_MAX_SPLITS and rows <= MERGE_MAX_ROWS else 0
     _attn_split_kernel[(b * kvh, nsplit)](
-        q, k_cache, v_cache, start, m, l, acc, out, arrival_counters(q.device),
+        q, k_cache, v_cache, start, m, l, acc,
         k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit,
         KVH=kvh, D=d, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_N=ATTN_BLOCK_N,
-        IS_FP32=q.dtype == torch.float32, MERGE=merge, num_warps=4,
+        IS_FP32=q.dtype == torch.float32, num_warps=4,
     )
-    if merge:
-        return out
+    out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(b * kvh, rows)](
         m, l, acc, out, w, rows, NSPLIT=nsplit, KVH=kvh, G=rows // w, D=d, num_warps=1,
     )
