@@ -201,7 +201,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also the 1-token step's kernels by class and name "
                    "(torch.profiler over graph replays)")
     p.add_argument("--step-variants", action="store_true", help="also the 1-token step at other loop steps of the "
-                   "few-token kernels (gate/up K per step, down K per step)")
+                   "few-token kernels (gate/up K per step, down K per step) and with moe_kernels.FOLD_NEXT_NORM")
     p.add_argument("--out", required=True, help="folder for gpu_moe_fused.json")
     a = p.parse_args()
     from draftflow.layers import moe_kernels as mk
@@ -261,16 +261,17 @@ def main() -> None:
 
             default = (ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J)
             g["step_variants_ms"] = {}
-            for block_h, block_j in ((256, 256), (512, 256), (256, 512), (512, 512), (1024, 256), (256, 1024)):
-                ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J = block_h, block_j
+            for block_h, block_j, fold in ((256, 256, False), (256, 256, True), (512, 256, False), (1024, 256, False)):
+                ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J, mk.FOLD_NEXT_NORM = block_h, block_j, fold
                 try:
                     variant = GraphRunner(model, kv, max_window=w, capture=True)
                     variant(7, None, START)
-                    g["step_variants_ms"][f"gate_up_h{block_h}_down_j{block_j}"] = gt.cuda_ms(
-                        lambda: variant(7, None, START), reps=reps, rounds=rounds)
+                    name = f"gate_up_h{block_h}_down_j{block_j}" + ("_fold_next_norm" if fold else "")
+                    g["step_variants_ms"][name] = gt.cuda_ms(lambda: variant(7, None, START), reps=reps, rounds=rounds)
                     del variant
                 finally:
                     ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J = default
+                    mk.FOLD_NEXT_NORM = False
         # The same 1-token step with the grouped kernels (the few-token ones switched off): a fresh runner, so a
         # fresh capture
         mk.FEW_TOKEN_KERNELS = False

@@ -65,9 +65,9 @@ def compile_(fn, types, consts, warps, specialised=True, report=False):
 
 for dt in ("bf16", "fp32"):
     ptrs = {n: "*" + dt for n in ("logits_ptr", "x_ptr", "w_ptr", "host_ptr", "act_ptr", "y_ptr", "out_ptr",
-                                  "route_w_ptr")}
+                                  "route_w_ptr", "res_ptr", "nw_ptr", "sum_ptr", "normed_ptr", "d_ptr", "gw_ptr")}
     types = {**ptrs, "ids_ptr": "*i64", "slot_ptr": "*i64", "tally_ptr": "*i32", "count_ptr": "*i32",
-             "part_ptr": "*fp32", "z_ptr": "*fp32"}
+             "part_ptr": "*fp32", "z_ptr": "*fp32", "logit_ptr": "*fp32", "eps": "fp32"}
     # The few-token kernels at the configs small_config picks (1, 2, 4 and 8 tokens at top-8 of 128, H 2048,
     # I 768): registers and spills printed (pytest -s), no spills asserted
     for tokens, pairs in ((1, 8), (2, 16), (4, 32), (8, 32)) if dt == "bf16" else ((1, 8),):
@@ -75,8 +75,13 @@ for dt in ("bf16", "fp32"):
         small = dict(K=pairs // tokens, BLOCK_T=tokens, BLOCK_KP=pairs // tokens, IS_BF16=dt == "bf16")
         compile_(few._gate_up_small_kernel, types, dict(small, BLOCK_I=block_i, BLOCK_H=256, SPLIT=split), 4,
                  report=True)
-        compile_(few._down_small_kernel, types, dict(small, BLOCK_N=block_n, BLOCK_J=256), 4, report=True)
+        for fold in (False, True) if tokens == 1 else (False,):  # with and without the next add + norm folded in
+            compile_(few._down_small_kernel, types, dict(small, BLOCK_N=block_n, BLOCK_J=256, FOLD=fold, OFFSET=False,
+                                                         BLOCK_H=2048), 4, report=True)
     compile_(mk._route_kernel, types, dict(K=8, BLOCK_E=128, BLOCK_K=8, NORM=True), 1)
+    for add_rms in (False, True):  # the fused router at the 30B shape (E 128, H 2048), alone and with the norm
+        compile_(mk._router_kernel, types, dict(K=8, BLOCK_E=2, BLOCK_H=2048, BLOCK_ALL=128, BLOCK_K=8, NORM=True,
+                                                IS_BF16=dt == "bf16", ADD_RMS=add_rms, OFFSET=False), 4, report=True)
     compile_(mk._combine_kernel, types, dict(K=8, BLOCK=1024, IS_BF16=dt == "bf16"), 4)
     # (constants, columns, warps, specialised): bf16 decode (Triton makes N == 1 a constant), 16-token windows by
     # pair at both default widths and the sweep's widest, a 33-token window by expert (also with odd widths);
@@ -95,7 +100,7 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90():
-    """route_topk, gate/up, down and combine, and the few-token kernels (no spills) compile to sm_90 cubins: bf16 decode, 16- and 33-token windows (by pair
+    """route_topk, the fused router, gate/up, down and combine, and the few-token kernels (no spills) compile to sm_90 cubins: bf16 decode, 16- and 33-token windows (by pair
     and by expert, with the host-memory branch for misses; pipelined as specialised at run time, and unspecialised),
     and float32."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
