@@ -21,21 +21,17 @@ o_proj only (`fused.Kernels.project`, with the Triton elementwise kernels on CUD
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import COUNTERS, arrival_counters
+from draftflow.layers.triton_kernels import COUNTERS, arrival_counters, multiprocessors
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 4  # output features per program, x BLOCK_K of K per step: the best tile for both o_proj shapes below
 BLOCK_K = 1024
 PROGRAMS_PER_SM = 4  # split K until tiles x chunks fill this many programs per multiprocessor
 MIN_CHUNK = 1024  # ... but keep every chunk at least two loop steps long
 PREFER_MAX_BYTES = 40_000_000
-_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -72,19 +68,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, N, K, CHUNK,
             tl.store(count_ptr + tile, 0)  # ready for the next launch (or graph replay)
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: any count (the H200's)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def split_of(n: int, k: int, device: torch.device) -> tuple[int, int]:
     """(K chunk, chunks) for an [n, k] weight: enough programs to fill the device, chunks of whole BLOCK_K steps."""
     tiles = triton.cdiv(n, BLOCK_N)
-    want = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), tiles)
+    want = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), tiles)
     split = max(1, min(want, k // MIN_CHUNK, 8))
     chunk = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K
     return chunk, triton.cdiv(k, chunk)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import _round, add_rms_row
+from draftflow.layers.triton_kernels import _round, add_rms_row, multiprocessors
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_MAX_PAIRS = 32
@@ -198,18 +198,6 @@ def _down_small_kernel(
                 tl.store(count_ptr + blocks, 0)
 
 
-_SMS: dict[int, int] = {}
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: any count (the H200's)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def small_config(tokens: int, pairs: int, h: int, i: int, device: torch.device) -> tuple[int, int, int]:
     """(gate/up columns per program, K chunks of gate/up, down columns per program) for the few-token kernels: >= 4
     programs per multiprocessor where the shape allows, each K chunk at least two 256-wide tiles."""
@@ -220,7 +208,7 @@ def small_config(tokens: int, pairs: int, h: int, i: int, device: torch.device) 
     # (test_moe_kernels_compile.py prints these). Gate/up takes 8 columns: at the 30B shape's decode (8 pairs x 768
     # columns) that is 768 programs and no K split, one layer's experts in 25.2 us on the H200 against 27.9 for 16
     # columns split in 2 and 25.9 for 16 unsplit (benchmarks/gpu_moe_fused.py --quick, 2026-12-01).
-    want = 4 * _multiprocessors(device)
+    want = 4 * multiprocessors(device)
     many = tokens > 4
     block_i = 8
     split = max(1, min(triton.cdiv(want, pairs * triton.cdiv(i, block_i)), h // 512))

@@ -32,6 +32,19 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
+_SMS: dict[int, int] = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 132 (an H200's) for the interpreter's CPU tensors."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 @triton.jit
 def _round(x, IS_BF16: tl.constexpr):
     # The eager path stores every intermediate in the model dtype; round the same way (to

@@ -29,7 +29,8 @@ from draftflow.layers import moe_few_token as few
 from draftflow.layers import moe_kernels as mk
 import torch
 device = torch.device("cuda")  # small_config: an H200's 132 multiprocessors when no GPU answers
-few._SMS.setdefault(0, 132)
+from draftflow.layers import triton_kernels as tk
+tk._SMS.setdefault(0, 132)
 torch.cuda.current_device = lambda: 0
 
 import os, subprocess, tempfile
