@@ -166,7 +166,7 @@ def layer_alone(model, cfg, tokens: int, bw: float, reps: int, quick: bool = Fal
 def router_alone(cfg, reps: int) -> dict:
     """The post-attention add + RMSNorm and the router at 1 token, captured in CUDA graphs (us): the Triton add_rms
     then cuBLAS's GEMV then route_topk (three launches) against add_rms_route (one) at each ROUTER_WARPS."""
-    from draftflow.layers import moe_kernels as mk
+    from draftflow.layers import moe_router as mk
     from draftflow.layers import triton_kernels as tk
 
     h, e, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok

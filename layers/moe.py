@@ -224,7 +224,7 @@ class SparseMoeBlock(nn.Module):
         """
         if (kernels.elementwise and self.experts is not None and self.experts.cache.device_path and x.is_cuda
                 and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype):
-            from draftflow.layers.moe_kernels import add_rms_route, router_fits
+            from draftflow.layers.moe_router import add_rms_route, router_fits
 
             if router_fits(x, self.gate):
                 return add_rms_route(x, delta, norm_weight, eps, offset, self.gate.weight, self.top_k,
@@ -258,7 +258,7 @@ class SparseMoeBlock(nn.Module):
             raise RuntimeError("MoE block has no expert cache attached; call TargetModel.set_expert_cache first")
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         if self.experts.cache.device_path:  # routing and experts on the device (expert_cache.py), no host sync
-            from draftflow.layers.moe_kernels import route_topk, router_fits, router_topk
+            from draftflow.layers.moe_router import route_topk, router_fits, router_topk
 
             if routing is not None:
                 weights, ids = routing

@@ -27,6 +27,7 @@ except ImportError as exc:
     print(f"triton API differs: {exc}"); sys.exit(3)
 from draftflow.layers import moe_few_token as few
 from draftflow.layers import moe_kernels as mk
+from draftflow.layers import moe_router as router
 import torch
 device = torch.device("cuda")  # small_config: an H200's 132 multiprocessors when no GPU answers
 from draftflow.layers import triton_kernels as tk
@@ -79,9 +80,9 @@ for dt in ("bf16", "fp32"):
         for fold in (False, True) if tokens == 1 else (False,):  # with and without the next add + norm folded in
             compile_(few._down_small_kernel, types, dict(small, BLOCK_N=block_n, BLOCK_J=256, FOLD=fold, OFFSET=False,
                                                          BLOCK_H=2048), 4, report=True)
-    compile_(mk._route_kernel, types, dict(K=8, BLOCK_E=128, BLOCK_K=8, NORM=True), 1)
+    compile_(router._route_kernel, types, dict(K=8, BLOCK_E=128, BLOCK_K=8, NORM=True), 1)
     for add_rms in (False, True):  # the fused router at the 30B shape (E 128, H 2048), alone and with the norm
-        compile_(mk._router_kernel, types, dict(K=8, BLOCK_E=2, BLOCK_H=2048, BLOCK_ALL=128, BLOCK_K=8, NORM=True,
+        compile_(router._router_kernel, types, dict(K=8, BLOCK_E=2, BLOCK_H=2048, BLOCK_ALL=128, BLOCK_K=8, NORM=True,
                                                 IS_BF16=dt == "bf16", ADD_RMS=add_rms, OFFSET=False), 4, report=True)
     compile_(mk._combine_kernel, types, dict(K=8, BLOCK=1024, IS_BF16=dt == "bf16"), 4)
     # (constants, columns, warps, specialised): bf16 decode (Triton makes N == 1 a constant), 16-token windows by
