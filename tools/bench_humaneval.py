@@ -63,6 +63,7 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
     configs = {
         "target only": graph("target-only", {}),
         "prompt lookup": graph("lookup", {"lookup": lookup}),
+        "prompt lookup (earliest)": graph("lookup", {"lookup": {**lookup, "params": {"occurrence": "earliest"}}}),
         "MTP": graph("mtp", {"mtp": mtp}, taps=sorted({*taps, last})),  # MTP reads the final hidden state
         "DFlash": graph("dflash", {"dflash": dflash}),
         "mixer(lookup, DFlash)": graph("mix", {"lookup": lookup, "dflash": dflash,

@@ -2,7 +2,8 @@
 
 One backward-comparison pass over the history finds, for every earlier end position,
 how many of the last ``max_ngram`` tokens it repeats; the first end position with the
-longest (clipped) match wins, so ties go to the earliest occurrence. Cost is
+longest (clipped) match wins, so ties go to the earliest occurrence (or, asked for, the
+most recent one: the scan runs backwards). Cost is
 O(N * matched length), which is O(N) on ordinary text.
 """
 
@@ -13,20 +14,22 @@ import numpy as np
 
 
 @numba.njit(cache=False)
-def find_continuation(history, length, min_ngram, max_ngram, max_tokens):
+def find_continuation(history, length, min_ngram, max_ngram, max_tokens, latest=False):
     """Return (start, count): ``history[start:start+count]`` follows the best earlier match.
 
     history: [capacity] int64, of which ``history[:length]`` is prompt + output. The
     suffix n-gram (min_ngram <= n <= max_ngram) must occur ending at a position before
     the last token, so a continuation of at least one token exists; ``count`` is capped
-    by ``max_tokens`` and by the end of the history. No match -> (0, 0).
+    by ``max_tokens`` and by the end of the history. Among the longest matches the
+    earliest wins, or with ``latest`` the most recent. No match -> (0, 0).
     """
     best_len = 0
     best_end = -1
     last = length - 1
     if max_tokens <= 0 or length < min_ngram + 1:
         return 0, 0
-    for end in range(last):  # end: last index of an earlier occurrence
+    for i in range(last):
+        end = last - 1 - i if latest else i  # end: last index of an earlier occurrence, in preference order
         n = 0
         while n < max_ngram and n <= end and history[end - n] == history[last - n]:
             n += 1
@@ -34,7 +37,7 @@ def find_continuation(history, length, min_ngram, max_ngram, max_tokens):
             best_len = n
             best_end = end
             if n == max_ngram:
-                break  # nothing longer counts, and later ends are not earlier
+                break  # nothing longer counts, and the ends still to come are less preferred
     if best_len < min_ngram:
         return 0, 0
     start = best_end + 1
@@ -43,4 +46,5 @@ def find_continuation(history, length, min_ngram, max_ngram, max_tokens):
 
 def warm_up() -> None:
     """Compile for the int64 signature used at run time, so the first cycle pays no JIT cost."""
-    find_continuation(np.zeros(8, dtype=np.int64), np.int64(4), np.int64(2), np.int64(3), np.int64(2))
+    for latest in (False, True):
+        find_continuation(np.zeros(8, dtype=np.int64), np.int64(4), np.int64(2), np.int64(3), np.int64(2), latest)

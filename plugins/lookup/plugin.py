@@ -2,7 +2,8 @@
 
 Model-free (vLLM's n-gram proposer, transformers' prompt lookup): the longest suffix
 n-gram of prompt + output (``min_ngram`` <= n <= ``max_ngram``) found earlier in the
-sequence, earliest occurrence first, proposes up to K of the tokens that followed it.
+sequence, its most recent occurrence first (``occurrence: earliest`` for those peers'
+choice), proposes up to K of the tokens that followed it.
 Drafts are deterministic (one-hot q). Each request slot has its own history, a row of one
 host int64 array sized once and appended to in ``commit``; a batched cycle matches row by
 row on the host and sends one padded ``[n, K']`` proposal (K' = the longest match, rows
@@ -19,6 +20,9 @@ from draftflow.plugins.lookup.matcher import find_continuation, warm_up
 PARAMS = (
     ParamSpec("min_ngram", "int", 2, "shortest suffix n-gram that counts as a match", minimum=1),
     ParamSpec("max_ngram", "int", 5, "longest suffix n-gram tried", minimum=1),
+    ParamSpec("occurrence", "str", "latest", "which of several equally long matches proposes: the latest (measured "
+              "faster on code, docs/DRAFTERS.md) or the earliest (vLLM's and transformers' choice)",
+              choices=("latest", "earliest")),
 )
 # History capacity when the plan sets no KV capacity (no model limit); the array doubles when full.
 DEFAULT_HISTORY = 4096
@@ -37,6 +41,7 @@ class PromptLookup(Node):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.min_ngram, self.max_ngram = ctx.params["min_ngram"], ctx.params["max_ngram"]
+        self.latest = ctx.params.get("occurrence", "latest") == "latest"
         self.history = np.zeros((ctx.max_batch, ctx.kv_tokens or DEFAULT_HISTORY), dtype=np.int64)  # [slots, capacity]
         self.lengths = [0] * ctx.max_batch  # tokens of each slot's history
         warm_up()
@@ -62,7 +67,7 @@ class PromptLookup(Node):
 
     def _draft(self, slot: int, req) -> list[int]:
         start, count = find_continuation(self.history[slot], self.lengths[slot], self.min_ngram, self.max_ngram,
-                                         req.num_draft)
+                                         req.num_draft, self.latest)
         return self.history[slot, start:start + count].tolist()
 
     def commit(self, req, info):

@@ -8,10 +8,10 @@ import pytest
 from draftflow.plugins.lookup.matcher import find_continuation
 
 
-def match(seq, min_n=2, max_n=5, k=4):
+def match(seq, min_n=2, max_n=5, k=4, latest=False):
     arr = np.zeros(len(seq) + 8, dtype=np.int64)  # spare capacity past the length, as at run time
     arr[:len(seq)] = seq
-    start, count = find_continuation(arr, len(seq), min_n, max_n, k)
+    start, count = find_continuation(arr, len(seq), min_n, max_n, k, latest)
     return list(arr[start:start + count])
 
 
@@ -24,6 +24,12 @@ def test_longest_ngram_wins_over_earlier_shorter_match():
 def test_earliest_occurrence_on_ties():
     """Among equally long matches the earliest occurrence is copied."""
     assert match([4, 1, 2, 10, 11, 3, 1, 2, 20, 21, 1, 2]) == [10, 11, 3, 1]
+
+
+def test_latest_occurrence_when_asked():
+    """occurrence: latest copies the most recent of equally long matches, and a longer match still wins."""
+    assert match([4, 1, 2, 10, 11, 3, 1, 2, 20, 21, 1, 2], latest=True) == [20, 21, 1, 2]
+    assert match([5, 2, 3, 9, 0, 1, 2, 3, 7, 8, 1, 2, 3], latest=True) == [7, 8, 1, 2]
 
 
 def test_k_caps_the_proposal_and_context_end_cuts_it():
