@@ -133,7 +133,7 @@ def layer_alone(model, cfg, tokens: int, bw: float, reps: int, quick: bool = Fal
         args = (flat, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], layer.slot_key, cache.tally[layer.row])
         counters = torch.zeros(mk.counter_size(cfg.hidden_size, cfg.moe_intermediate_size), dtype=torch.int32,
                                device=gt.DEV)
-        fits = tokens * block.top_k <= mk.SMALL_MAX_PAIRS and tokens <= mk.SMALL_MAX_TOKENS
+        fits = mk.few_token_fits(tokens, block.top_k, DTYPE)
         variants = {"default": {}, "grouped": dict(path="grouped")}
         if fits:
             variants["small"] = dict(path="small")

@@ -115,9 +115,9 @@ class Kernels:
                 return tk.silu_mul(gate, up)
             return plain_silu_mul(gate, up)
 
-        def project_(linear, x):
-            from draftflow.layers import gemv
+        from draftflow.layers import gemv
 
+        def project_(linear, x):
             weight = getattr(linear, "weight", None)
             if (type(linear) is nn.Linear and linear.bias is None and x.is_cuda and gemv.fits(x, weight)
                     and gemv.prefer(weight)):

@@ -89,14 +89,13 @@ def prefer(weight: torch.Tensor) -> bool:
     return k >= n and weight.numel() * weight.element_size() <= PREFER_MAX_BYTES
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` for one row x [..., K] (every leading dim 1): [..., N] in x.dtype."""
     n, k = weight.shape
     row = x.reshape(k)
     if not row.is_contiguous():
         row = row.contiguous()
-    if out is None:
-        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     chunk, split = split_of(n, k, x.device)
     part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _gemv_kernel[(triton.cdiv(n, BLOCK_N), split)](

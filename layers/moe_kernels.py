@@ -189,10 +189,14 @@ FOLD_NEXT_NORM = False  # the few-token down launch also does the next layer's r
 # written 2026-12-01 without a GPU to time it; `benchmarks/gpu_moe_fused.py --step-variants` measures it both ways)
 
 
+def few_token_fits(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether the few-token kernels can serve n tokens at top-k (path="small")."""
+    return n * k <= SMALL_MAX_PAIRS and n <= SMALL_MAX_TOKENS and dtype in (torch.bfloat16, torch.float32)
+
+
 def takes_few_token(n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether fused_experts(path="auto") runs n tokens at top-k in the two few-token launches."""
-    return FEW_TOKEN_KERNELS and n * k <= SMALL_MAX_PAIRS and n <= SMALL_MAX_TOKENS and dtype in (torch.bfloat16,
-                                                                                                  torch.float32)
+    return FEW_TOKEN_KERNELS and few_token_fits(n, k, dtype)
 
 
 def fused_experts(
@@ -222,13 +226,12 @@ def fused_experts(
     if n == 0:
         return out
     pairs = n * k
-    fits = pairs <= SMALL_MAX_PAIRS and n <= SMALL_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32)
-    if path == "small" and not fits:
+    if path == "small" and not few_token_fits(n, k, x.dtype):
         raise ValueError(f"the few-token MoE kernels serve <= {SMALL_MAX_PAIRS} pairs and <= {SMALL_MAX_TOKENS} "
                          f"tokens in bf16 or float32; got {n} tokens x top-{k} in {x.dtype}: use path='auto'")
     if path not in ("auto", "small", "grouped"):
         raise ValueError(f"path={path!r}: expected 'auto', 'small' or 'grouped'")
-    if path == "small" or (path == "auto" and fits and FEW_TOKEN_KERNELS):
+    if path == "small" or (path == "auto" and takes_few_token(n, k, x.dtype)):
         return small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, host_down, out, small,
                               counters, fold)
     if fold is not None:

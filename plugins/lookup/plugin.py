@@ -41,7 +41,7 @@ class PromptLookup(Node):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.min_ngram, self.max_ngram = ctx.params["min_ngram"], ctx.params["max_ngram"]
-        self.latest = ctx.params.get("occurrence", "latest") == "latest"
+        self.latest = ctx.params["occurrence"] == "latest"
         self.history = np.zeros((ctx.max_batch, ctx.kv_tokens or DEFAULT_HISTORY), dtype=np.int64)  # [slots, capacity]
         self.lengths = [0] * ctx.max_batch  # tokens of each slot's history
         warm_up()

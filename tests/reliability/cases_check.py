@@ -262,6 +262,8 @@ CASES = [
          r"parameter 'min_ngram': 0 is below the minimum 1", lines=None),
     Case("check-lookup-ngram-order", ["check", "{graphs}/mtp-lookup-mixer.yaml", "--set", "nodes.lookup.min_ngram=6"],
          r"min_ngram=6, max_ngram=5: need 1 <= min_ngram <= max_ngram", lines=None),
+    Case("check-lookup-occurrence-bad", ["check", "{graphs}/mtp-lookup-mixer.yaml", "--set", "nodes.lookup.occurrence=middle"],
+         r"parameter 'occurrence' is 'middle'; fix: use one of: latest, earliest", lines=None),
     Case("check-mixer-min-tokens-zero", ["check", "{graphs}/mtp-lookup-mixer.yaml", "--set", "nodes.mix.min_tokens=0"],
          r"parameter 'min_tokens': 0 is below the minimum 1", lines=None),
     Case("check-mixer-policy-bad", ["check", "{graphs}/mtp-lookup-mixer.yaml", "--set", "nodes.mix.policy=random"],

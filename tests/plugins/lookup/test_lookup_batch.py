@@ -17,7 +17,7 @@ PROMPTS = {0: REPETITIVE, 1: [40, 41, 42], 3: [1, 2, 3, 1, 2, 3, 1, 2], 4: [9, 9
 
 
 def lookup(max_batch: int) -> PromptLookup:
-    params = {"min_ngram": 2, "max_ngram": 3}
+    params = {"min_ngram": 2, "max_ngram": 3, "occurrence": "latest"}
     ctx = NodeContext("lookup", params, manifest(params, Env("cpu", "float32", 4, None)), torch.device("cpu"), torch.float32, 4, 16, {}, {},
                       max_batch=max_batch)
     return PromptLookup(ctx)
