@@ -200,8 +200,8 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=8, help="random verify windows averaged for the distinct-expert count")
     p.add_argument("--profile", action="store_true", help="also the 1-token step's kernels by class and name "
                    "(torch.profiler over graph replays)")
-    p.add_argument("--step-variants", action="store_true", help="also the 1-token step at other loop steps of the "
-                   "few-token kernels (gate/up K per step, down K per step) and with moe_kernels.FOLD_NEXT_NORM")
+    p.add_argument("--step-variants", action="store_true", help="also the 1-token step and window with "
+                   "triton_kernels.PDL and moe_kernels.FOLD_NEXT_NORM each on and off (fresh captures)")
     p.add_argument("--out", required=True, help="folder for gpu_moe_fused.json")
     a = p.parse_args()
     from draftflow.layers import moe_kernels as mk
@@ -256,22 +256,23 @@ def main() -> None:
         g = res["graph"]
         if a.profile and dev == "cuda":
             res["profile_step"] = gt.profile(runner, START, 1, reps, out)
-        if a.step_variants and dev == "cuda":  # the 1-token step at other few-token loop steps, each a fresh capture
-            from draftflow.layers import moe_few_token as ft
+        if a.step_variants and dev == "cuda":  # the step (and window) with PDL / the norm fold switched, fresh captures
+            from draftflow.layers import triton_kernels as tk
 
-            default = (ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J)
-            g["step_variants_ms"] = {}
-            for block_h, block_j, fold in ((256, 256, False), (256, 256, True), (512, 256, False), (1024, 256, False)):
-                ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J, mk.FOLD_NEXT_NORM = block_h, block_j, fold
+            g["step_variants_ms"], g["window_variants_ms"] = {}, {}
+            defaults = (tk.PDL, mk.FOLD_NEXT_NORM)
+            for use_pdl, fold in ((False, False), (True, False), (False, True), (True, True)):
+                tk.PDL, mk.FOLD_NEXT_NORM = use_pdl, fold
                 try:
                     variant = GraphRunner(model, kv, max_window=w, capture=True)
                     variant(7, None, START)
-                    name = f"gate_up_h{block_h}_down_j{block_j}" + ("_fold_next_norm" if fold else "")
+                    name = ("pdl" if use_pdl else "no_pdl") + ("_fold_next_norm" if fold else "")
                     g["step_variants_ms"][name] = gt.cuda_ms(lambda: variant(7, None, START), reps=reps, rounds=rounds)
+                    g["window_variants_ms"][name] = gt.cuda_ms(lambda: variant(7, drafts[0], START), reps=reps,
+                                                               rounds=rounds)
                     del variant
                 finally:
-                    ft.GATE_UP_BLOCK_H, ft.DOWN_BLOCK_J = default
-                    mk.FOLD_NEXT_NORM = False
+                    tk.PDL, mk.FOLD_NEXT_NORM = defaults
         # The same 1-token step with the grouped kernels (the few-token ones switched off): a fresh runner, so a
         # fresh capture
         mk.FEW_TOKEN_KERNELS = False
@@ -314,7 +315,9 @@ def main() -> None:
 def report(res: dict, cfg, w: int, out: Path) -> None:
     f, g = res["floor"], res["graph"]
     for name, ms in g.get("step_variants_ms", {}).items():
-        print(f"1-token step, {name}: {ms:.3f} ms = {f['floor_ms'] / ms:.1%} of the floor")
+        win = g.get("window_variants_ms", {}).get(name)
+        print(f"1-token step, {name}: {ms:.3f} ms = {f['floor_ms'] / ms:.1%} of the floor"
+              + (f"; {w}-token window {win:.3f} ms = {win / ms:.2f}x" if win else ""))
     if "router_alone" in res:
         print("post-attention add + RMSNorm + router, 1 token, CUDA graph (us): "
               + ", ".join(f"{name[:-3]} {us:.2f}" for name, us in res["router_alone"].items()))

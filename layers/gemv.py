@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import COUNTERS, arrival_counters, multiprocessors
+from draftflow.layers.triton_kernels import COUNTERS, arrival_counters, multiprocessors, pdl, pdl_enter
 
 BLOCK_N = 4  # output features per program, x BLOCK_K of K per step: the best tile for both o_proj shapes below
 BLOCK_K = 1024
@@ -36,8 +36,9 @@ PREFER_MAX_BYTES = 40_000_000
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, N, K, CHUNK,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     # x: [K]; w: [N, K] row-major; out: [N]; part: [SPLIT, N] float32 partials; count: one zero per row tile
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     s = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,6 +101,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _gemv_kernel[(triton.cdiv(n, BLOCK_N), split)](
         row, weight, out, part, arrival_counters(x.device), n, k, chunk,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, num_warps=4,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, num_warps=4, **pdl(x.device),
     )
     return out

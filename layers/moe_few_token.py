@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import _round, add_rms_row, multiprocessors
+from draftflow.layers.triton_kernels import _round, add_rms_row, multiprocessors, pdl, pdl_enter
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_MAX_PAIRS = 32
@@ -70,12 +70,13 @@ def _gate_up_small_kernel(
     x_ptr, ids_ptr, slot_ptr, w_ptr, host_ptr, part_ptr, act_ptr, tally_ptr, count_ptr,
     N, H, I, E, S, stride_slot, stride_host, CHUNK,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-    SPLIT: tl.constexpr, IS_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, IS_BF16: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # x: [N, H]; ids: [N, K]; w: [S, 2I, H] slots, host: [E, 2I, H]; part: [SPLIT, N*K, 2I] float32 partial
     # gate/up products over K chunks of CHUNK columns; act: [N*K, I] = silu(gate) * up; count: [N*K * cdiv(I,
     # BLOCK_I)] zeros. One program per (pair p, block of I columns, K chunk s); only the first pair of each expert
     # works (for every token routed to that expert)
+    pdl_enter(PDL)
     p = tl.program_id(0)
     cb = tl.program_id(1)
     s = tl.program_id(2)
@@ -140,13 +141,14 @@ def _down_small_kernel(
     res_ptr, nw_ptr, sum_ptr, normed_ptr, eps,
     N, H, I, S, stride_slot, stride_host,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-    IS_BF16: tl.constexpr, FOLD: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
+    IS_BF16: tl.constexpr, FOLD: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # act: [N*K, I]; w: [S, H, I]; z: [N*K, H] float32 = round(round(act W_d^T) * route_w) per pair; out: [N, H] =
     # sum over j of z[t*K + j] in the order j = 0..K-1, by the last program of each column block (count: [cdiv(H,
     # BLOCK_N) + 1] zeros). One program per (pair p, block of H columns); only the first pair of each expert works.
     # FOLD: the last column block's finisher to arrive (count's last entry) also does the residual add and the next
     # RMSNorm of every token: sum = res + out, normed = RMSNorm(sum) with weight nw (triton_kernels.add_rms_row)
+    pdl_enter(PDL)
     p = tl.program_id(0)
     cb = tl.program_id(1)
     e = tl.load(ids_ptr + p)
@@ -245,7 +247,7 @@ def small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, 
     _gate_up_small_kernel[(pairs, n_i, split)](
         x, ids, slot_of, gate_up, host_gate_up, part, act, tally, counters, n, h, i, slot_of.shape[0],
         gate_up.shape[0], gate_up.stride(0), host_gate_up.stride(0), chunk, BLOCK_I=block_i, BLOCK_H=block_h,
-        SPLIT=split, IS_BF16=is_bf16, **common, num_warps=4,
+        SPLIT=split, IS_BF16=is_bf16, **common, num_warps=4, **pdl(x.device),
     )
     z = torch.empty(pairs, h, dtype=torch.float32, device=x.device)  # [N*k, H]
     res, norm_w, eps, offset, total, normed = fold if fold is not None else (out, out, 0.0, False, out, out)
@@ -255,6 +257,7 @@ def small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, 
         gate_up.shape[0], down.stride(0), host_down.stride(0), BLOCK_N=block_n,
         BLOCK_J=DOWN_BLOCK_J if i >= DOWN_BLOCK_J else max(16, triton.next_power_of_2(i)), IS_BF16=is_bf16,
         FOLD=fold is not None, OFFSET=offset, BLOCK_H=triton.next_power_of_2(h), **common, num_warps=4,
+        **pdl(x.device),
     )
     return out
 

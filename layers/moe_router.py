@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import _round, add_rms_row, arrival_counters
+from draftflow.layers.triton_kernels import _round, add_rms_row, arrival_counters, pdl, pdl_enter
 
 
 @triton.jit
@@ -89,9 +89,10 @@ ROUTER_WARPS = 4
 def _router_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, normed_ptr, gw_ptr, logit_ptr, w_ptr, ids_ptr, count_ptr, H, E, eps,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr,
                    BLOCK_K: tl.constexpr, NORM: tl.constexpr, IS_BF16: tl.constexpr, ADD_RMS: tl.constexpr,
-                   OFFSET: tl.constexpr):
+                   OFFSET: tl.constexpr, PDL: tl.constexpr = False):
     # x: [N, H]; gw: [E, H] (the router's weight, x's dtype); logit: [N, E] float32 scratch; count: [N] zeros.
     # ADD_RMS (BLOCK_H >= H): the router's input is RMSNorm(x + d) with weight nw; sum and normed [N, H] are stored.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     eb = tl.program_id(1)
     rows = eb * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -160,7 +161,8 @@ def _route_launch(x, weight, top_k, norm_topk_prob, add_rms=None):
             x, delta, norm_weight, total, normed, weight, logits, weights, ids, arrival_counters(x.device), h, e, eps,
             K=top_k, BLOCK_E=block_e, BLOCK_H=whole if add_rms is not None else max(16, min(ROUTER_TILE // block_e, whole)),
             BLOCK_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
-            IS_BF16=x.dtype == torch.bfloat16, ADD_RMS=add_rms is not None, OFFSET=offset, num_warps=ROUTER_WARPS)
+            IS_BF16=x.dtype == torch.bfloat16, ADD_RMS=add_rms is not None, OFFSET=offset, num_warps=ROUTER_WARPS,
+            **pdl(x.device))
     return weights, ids
 
 

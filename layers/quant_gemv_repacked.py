@@ -42,7 +42,7 @@ import triton.language as tl
 from draftflow.layers.quant_gemv import REDUCE_BLOCK, _reduce_kernel, _sm_count
 from draftflow.layers.quant_kernels import _INTERPRETED, _f32, matmul_with
 from draftflow.layers.quant_repack import RTYPES, SPEC, row_bytes, sections
-from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters
+from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters, pdl, pdl_enter
 
 DOT_MIN_ROWS = 2  # the multiply-add path is written for one row
 _CODE = {name: i for i, name in enumerate(RTYPES)}  # Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
@@ -188,12 +188,13 @@ def _gemv_kernel(
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, NATIVE: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, FUSED: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # x: [M, K]; w / b8 / h: the repacked rows as int32 / uint8 / float16 (one tensor); program (i, r): features
     # i*BLOCK_N.. over units r*per_split.. (whole U-unit steps). Rows past N read row N-1 and are not stored.
     # DIRECT (SPLIT 1): bias, round, store into out [M, N]; else float32 partials into part [SPLIT, M, N], summed
     # by the tile's last-arriving program (FUSED: its count_ptr counter, left at zero) or by _reduce_kernel.
+    pdl_enter(PDL)
     GW: tl.constexpr = 128 // BITS  # weights per unit
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     safe = tl.minimum(rows, N - 1)
@@ -349,7 +350,7 @@ def gemv(
         BLOCK_N=block_n, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, NATIVE=not _INTERPRETED,
         DIRECT=split == 1, EVEN=n_units % units == 0, SWAP=m <= SWAP_MAX_ROWS and x.dtype != torch.float32,
         FUSED=fused, PREFETCH=not use_dot and (PREFETCH if prefetch is None else prefetch), **common,
-        num_warps=warps,
+        num_warps=warps, **pdl(x.device),
     )
     if split > 1 and not fused:
         _reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](

@@ -45,6 +45,49 @@ def multiprocessors(device: torch.device) -> int:
     return _SMS[index]
 
 
+# --- programmatic dependent launch (PDL) -------------------------------------------------------
+# A decode step is ~10 small memory-bound kernels a layer; between two of them the GPU drains one
+# grid, then launches and ramps the next. A kernel launched with programmatic stream serialization
+# (sm_90+) may be scheduled while its predecessor still runs: its programs start, wait in
+# `griddepcontrol.wait` until the predecessor has finished and its writes are visible, and only
+# then read activations or write anything. Every kernel that takes `**pdl(device)` begins with
+# `pdl_enter(PDL)` (wait, then let its own successor launch), so each waits for the one before it
+# and completion stays transitive along the chain; a kernel without it (cuBLAS, torch ops) is a
+# full barrier as before. CUDA graphs capture the launches as programmatic edges.
+PDL = True  # switch (benchmarks/gpu_moe_fused.py --step-variants times the step with it off)
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def _launch_pdl_supported() -> bool:
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover (a Triton without the NVIDIA backend)
+        return False
+    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options for a kernel whose first statement is `pdl_enter(PDL)`: {PDL, launch_pdl} on an sm_90+ GPU with
+    PDL set and a Triton that has the option; {} elsewhere (the interpreter, older GPUs), where the kernel runs as
+    any other."""
+    if not PDL or device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_DEVICES:
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9 and _launch_pdl_supported()
+    return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[index] else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    # wait for the predecessor grid (its writes visible), then allow this grid's successor to launch
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit
 def _round(x, IS_BF16: tl.constexpr):
     # The eager path stores every intermediate in the model dtype; round the same way (to
@@ -63,9 +106,11 @@ def _qk_rope_write_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
     stride_row, stride_cache_b, stride_cache_pos, stride_rope_b, stride_start, eps, W,
     QH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, IS_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # qkv: [B*W, (QH+2*KVH)*D]; cos, sin: [W, D] shared or [B, W, D] per row (stride_rope_b 0 or W*D);
     # start: [1] shared or [B] per row (stride_start 0 or 1); q: [B, KVH, G*W, D]; caches: [B, capacity, KVH, D]
+    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     b = row // W
@@ -134,6 +179,7 @@ def qk_rope_write(
         qkv.stride(1), k_cache.stride(0), k_cache.stride(1), w * d if cos.dim() == 3 else 0,
         1 if start.shape[0] > 1 else 0, eps, w,
         QH=num_heads, KVH=kvh, D=d, HAS_NORM=has_norm, IS_BF16=qkv.dtype == torch.bfloat16, num_warps=1,
+        **pdl(qkv.device),
     )
     return q
 
@@ -144,8 +190,10 @@ def _attn_split_kernel(
     m_ptr, l_ptr, acc_ptr,  # per-split partial results
     stride_cache_b, stride_cache_pos, stride_start, scale, W, R, NSPLIT,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block)
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
@@ -181,10 +229,11 @@ def _attn_split_kernel(
 @triton.jit
 def _attn_combine_kernel(
     m_ptr, l_ptr, acc_ptr, o_ptr, W, R,
-    NSPLIT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    NSPLIT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program per (b, kvh, row): merge the key blocks' partials; write o [B, W, KVH*G*D]. Blocks past
     # the window saw no key (l = 0, m = the floor), so they weigh nothing.
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // KVH
@@ -233,11 +282,11 @@ def decode_attention(
         q, k_cache, v_cache, start, m, l, acc,
         k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit,
         KVH=kvh, D=d, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_N=ATTN_BLOCK_N,
-        IS_FP32=q.dtype == torch.float32, num_warps=4,
+        IS_FP32=q.dtype == torch.float32, num_warps=4, **pdl(q.device),
     )
     out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(b * kvh, rows)](
-        m, l, acc, out, w, rows, NSPLIT=nsplit, KVH=kvh, G=rows // w, D=d, num_warps=1,
+        m, l, acc, out, w, rows, NSPLIT=nsplit, KVH=kvh, G=rows // w, D=d, num_warps=1, **pdl(q.device),
     )
     return out
 
@@ -271,8 +320,10 @@ def add_rms_row(x_ptr, d_ptr, w_ptr, cols, live, H, eps, HAS_DELTA: tl.constexpr
 def _add_rms_kernel(
     x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, H, eps,
     BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, OFFSET: tl.constexpr, IS_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per row: sum = x + delta (rounded like the storage dtype), out = RMSNorm(sum)
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < H
@@ -292,14 +343,16 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     _add_rms_kernel[(x.numel() // h,)](
         x, delta if delta is not None else x, weight, total, out, h, eps,
         BLOCK=triton.next_power_of_2(h), HAS_DELTA=delta is not None, OFFSET=offset,
-        IS_BF16=x.dtype == torch.bfloat16, num_warps=8 if h >= 2048 else 4,
+        IS_BF16=x.dtype == torch.bfloat16, num_warps=8 if h >= 2048 else 4, **pdl(x.device),
     )
     return total, out
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_row, BLOCK: tl.constexpr, IS_BF16: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_row, BLOCK: tl.constexpr, IS_BF16: tl.constexpr,
+                     PDL: tl.constexpr = False):
     # One program per (row, block of columns): silu(gate) rounded, times up, rounded on store
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < I
@@ -319,5 +372,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     _silu_mul_kernel[(rows, triton.cdiv(i, SILU_BLOCK))](
         gate, up, out, i, gate.stride(-2), BLOCK=SILU_BLOCK, IS_BF16=gate.dtype == torch.bfloat16, num_warps=4,
+        **pdl(gate.device),
     )
     return out

@@ -7,14 +7,22 @@ fields set to small finite values so the dequantized weights are ordinary number
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 import transformers
 from helpers import spread_weights
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+
+# CPU tests that run Triton kernels on CPU tensors: they need Triton's interpreter, which tests/conftest.py switches on
+# only where there is no CUDA (on a CUDA machine the CUDA tests cover the same paths)
+cpu_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tensors through Triton need its interpreter, off where CUDA is")
 
 QUANTIZABLE = {T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}
 # Byte offsets of the fp16 scale fields (d, dmin) inside one block, per gguf/quants.py's dequantize_blocks.

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf_quant_testlib import build_qwen3_256, retype  # noqa: E402
+from gguf_quant_testlib import build_qwen3_256, cpu_triton, retype  # noqa: E402
 from structlog.testing import capture_logs  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -89,6 +89,7 @@ def test_covered_projections_stay_as_file_bytes(mixed_gguf):
     assert torch.equal(layer.self_attn.v_proj.blocks, torch.from_numpy(np.array(raw["blk.1.attn_v.weight"])))
 
 
+@cpu_triton
 def test_kept_quantized_equals_dequantized_at_load(mixed_gguf):
     """float32: the kept-quantized target's logits equal the dequantized target's to rounding; same greedy tokens,
     eagerly and through the graph runner (fused q/k/v from two kernel types, joined gate/up)."""
@@ -104,6 +105,7 @@ def test_kept_quantized_equals_dequantized_at_load(mixed_gguf):
         kept.model.layers[0].mlp.gate_proj.blocks.untyped_storage().data_ptr()  # fuse_projections joined them
 
 
+@cpu_triton
 @pytest.mark.parametrize("arch,kwargs", [("llama", {"kv_heads": 2}), ("qwen2", {"tied": True})], ids=["llama", "qwen2"])
 def test_q8_0_llama_rows_and_qwen2_biases(hf_dir, tmp_path, arch, kwargs):
     """llama's q/k block rows are un-permuted like the weights; qwen2's q/k/v biases are added by the kernel."""
@@ -120,6 +122,7 @@ def test_q8_0_llama_rows_and_qwen2_biases(hf_dir, tmp_path, arch, kwargs):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@cpu_triton
 def test_moe_target_keeps_attention_and_dense_mlp_quantized(tmp_path):
     """qwen3moe Q8_0: attention and the dense layer's MLP stay quantized, routed experts stay in their blocks on the
     host (test_moe_gguf_quant_experts.py); logits equal the dequantized target's to rounding."""

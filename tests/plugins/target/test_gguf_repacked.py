@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
+from gguf_quant_testlib import cpu_triton  # noqa: E402
 from test_gguf_kept_quantized import _params, greedy, mixed_gguf  # noqa: E402,F401  (mixed_gguf: a fixture)
 
 from draftflow.core.plan import Env  # noqa: E402
@@ -26,6 +27,7 @@ from draftflow.plugins.target.gguf_loader import load_gguf  # noqa: E402
 from draftflow.plugins.target.plugin import manifest  # noqa: E402
 
 
+@cpu_triton
 def test_repacked_target_generates_like_dequantized(mixed_gguf):
     """float32: the repacked target (Q4_K q/k next to a Q6_K v, Q8_0 o, joined Q4_0 gate/up) gives the dequantized
     target's logits to rounding and its greedy tokens, eagerly and through the graph runner."""

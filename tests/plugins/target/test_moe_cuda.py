@@ -165,6 +165,36 @@ def test_captured_moe_windows_equal_the_eager_forward(tiny_moe, dtype, fold, mon
     assert len(runner.graphs) >= 2
 
 
+def test_pdl_launches_replay_bit_identical_to_plain_launches(tiny_moe, monkeypatch):
+    """bf16 decode and verify windows captured with programmatic dependent launch (triton_kernels.PDL: every Triton
+    kernel of the step waits for its predecessor in-kernel) give bit for bit the logits of the same graphs captured
+    with plain launches; on an sm_90+ GPU the launches do take the option."""
+    from draftflow.layers import triton_kernels
+
+    loaded = load_hf(tiny_moe, "cuda", torch.bfloat16)
+    model, cfg = loaded.model, loaded.config
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert triton_kernels.pdl(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(triton_kernels, "PDL", on)
+        cache = KVCache.from_static(torch.zeros(static_shape(cfg, 1, 64), dtype=torch.bfloat16, device="cuda"))
+        with torch.inference_mode():
+            model(torch.tensor([PROMPT], device="cuda"), 0, cache)
+            cache.commit(len(PROMPT))
+            runner = GraphRunner(model, cache, max_window=8, capture=True, min_bucket=16)
+            logits[on] = []
+            for step, (w, kept) in enumerate(WINDOWS):
+                start = cache.length
+                window = torch.randint(0, VOCAB, (1, w), generator=torch.Generator().manual_seed(step)).cuda()
+                got, _ = runner(int(window[0, 0]), window[:, 1:] if w > 1 else None, start)
+                logits[on].append(got.clone())
+                cache.commit(start + kept)
+    assert not triton_kernels.pdl(torch.device("cpu"))
+    for step, (got, want) in enumerate(zip(logits[True], logits[False])):
+        assert torch.equal(got, want), f"window {step}"
+
+
 def _generate(target: str, drafter: str | None, cuda_graphs: bool, expert_cache: int = 0):
     registry = load_registry()
     params = {"path": target, "cuda_graphs": cuda_graphs, "expert_cache": expert_cache}

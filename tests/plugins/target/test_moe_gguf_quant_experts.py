@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_quant_testlib import cpu_triton
 from moe_testlib import VOCAB, build_hf_moe, save_hf_moe
 
 pytest.importorskip("triton")
@@ -24,6 +25,7 @@ def _logits(loaded, resident=None) -> torch.Tensor:
     return loaded.model(TOKENS, 0, KVCache.growing(loaded.config, 1, 16, torch.float32, "cpu"))[0]  # [1, 12, V]
 
 
+@cpu_triton
 @pytest.mark.parametrize("outtype,qtype,bytes_per_32", [("q8_0", "Q8_0", 34)])  # (the kernel's types: test_quant_kernels)
 def test_quantized_experts_upload_their_blocks_and_give_the_dequantized_logits(tmp_path, outtype, qtype, bytes_per_32):
     """Experts kept as the file's blocks: the same logits as the target dequantized at load (float32, to rounding:
