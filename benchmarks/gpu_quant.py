@@ -276,6 +276,12 @@ def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
         key = f"{qtype} repacked m={m}{tag}"
         cells[key] = cell
     cells[f"{qtype} repacked m={m}"]["rel_diff_vs_old"] = diff
+    if m == 1:  # the activation-stationary one-row kernel (layers/quant_gemv_rows.py), which `gemv` picks at one row
+        from draftflow.layers import quant_gemv_rows
+
+        ms = kernel_ms(lambda: quant_gemv_rows.gemv(x, packed, qtype), reps, a.rounds)
+        cells[f"{qtype} rows kernel m=1"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
+                                             "file_GBps": blocks.nbytes / ms / 1e6, "speedup": old["us"] / (ms * 1e3)}
     if qtype == "Q4_K" and plan.split > 1 and m <= rg.FUSED_MAX_ROWS:  # what the fused split-K reduction saves
         ms = kernel_ms(lambda: rg.gemv(x, packed, qtype, fused_reduce=False), reps, a.rounds)
         cells[f"{qtype} repacked m={m} 2 launches"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,

@@ -329,6 +329,9 @@ def gemv(
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """x @ W^T reading every repacked weight byte once for all M rows (M <= GEMV_MAX_ROWS)."""
     m, k = x.shape
+    if m == 1 and (block_n, units, num_warps, split_k, fused_reduce, prefetch) == (None,) * 6 \
+            and quant_gemv_rows.fits(x, packed, qtype, out):
+        return quant_gemv_rows.gemv(x, packed, qtype, bias, out)
     w32, w8, w16, row_words, goff, soff, n_units = _views(packed, qtype, k)
     n = packed.shape[0]
     if out is None:
@@ -384,3 +387,6 @@ def repacked_matmul(
 ) -> torch.Tensor:  # [..., N] in x.dtype (`out` itself when given)
     """x @ W^T (+ bias) for repacked W: the GEMV up to GEMV_MAX_ROWS rows, else dequantize + torch.matmul."""
     return matmul_with(gemv, dequantize, x, packed, qtype, in_features, bias, out)
+
+
+from draftflow.layers import quant_gemv_rows  # noqa: E402  (one-row products; it imports this module's pieces)

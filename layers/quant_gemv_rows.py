@@ -1,0 +1,157 @@
+"""One-row GEMV over repacked GGUF weights with the activations held in registers (issue 20, item 2).
+
+The split-K GEMV of quant_gemv_repacked walks a program's rows' K range: each loop step loads a
+new slice of x for every plane (8 loads a step at 4 bits) and a scale group per (row, unit) as
+four scattered small loads. On the H200 `ncu` put that kernel at 80% of the L1's throughput and
+23% of DRAM's (Q4_K, 24576 x 4096, 1.12 TB/s; `.dev`-style run recorded in docs/GGUF.md): the
+L1 requests, not the instructions or the bytes, bound it.
+
+Here the roles swap. A program owns a chunk of U consecutive 16-byte units of every row (U * GW
+weights of K) and a range of ROWS rows; it loads that chunk's activations once, as one [U, 4]
+float32 tensor per bit plane (each lane keeps its own unit's 32 or 16 values), and then walks
+its rows BLOCK_N at a time. A warp covers one row's U = 32 units per layout repetition, so the
+codes arrive as whole 512-byte row segments and a row's scale fields for the chunk are one
+contiguous run; no activation is loaded inside the loop. Each step ends with a sum over the
+lanes (one per unit) and stores BLOCK_N float32 partials; the chunks of a row range are summed in
+chunk order by the range's last program to arrive (an acquire-release counter per range, left at
+zero; deterministic), which adds the bias, rounds once and stores.
+
+Arithmetic per weight is the split-K kernel's (`_plane`: one AND/OR and one subtract per code,
+then a multiply-add with the activation; per (row, unit) s * t + o * sum(x)), so results agree
+with it to float32 rounding, and gguf's dequantized values are what is multiplied.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from draftflow.layers.quant_gemv_repacked import MAGIC, _CODE, _plane, _step, _views, _widen
+from draftflow.layers.quant_repack import SPEC
+from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters, multiprocessors, pdl, pdl_enter
+
+ON = True  # `quant_gemv_repacked.gemv` sends one-row products of QTYPES here (benchmarks/gpu_quant.py times both)
+# The types of 8-bit codes (Q8_0, Q6_K, Q5_*), where the H200 measured this kernel faster (docs/GGUF.md); 4-bit codes
+# stay on the split-K kernel until their 8-row tiles are measured (at 16 rows this kernel lost there: 2 programs an SM)
+QTYPES = frozenset(t for t, spec in SPEC.items() if spec[0] == 8)
+UNITS = 32  # units per chunk: one warp's lanes, one unit each
+# rows per loop step by bits per code: 4 warps x 2 or 4 layout repetitions (2 or 4 x 16 B of codes in flight per
+# lane). With Triton 3.6 (the H200 image) 16 rows of 4-bit codes take 215 registers (2 programs an SM; 3.9: 72), 8
+# rows 117; 8-bit codes 128 at 16 rows (tests/layers/test_quant_repacked_compile.py)
+BLOCK_N = {4: 8, 8: 16}
+WARPS = 4
+PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
+
+
+def rows_per_program(n: int, chunks: int, sms: int) -> int:
+    """Rows of a program: the most (a multiple of 16, at most 256) that still gives PROGRAMS_PER_SM * sms programs
+    over `chunks` K chunks; 16 if even that falls short."""
+    rows = 256
+    while rows > 16 and triton.cdiv(n, rows) * chunks < PROGRAMS_PER_SM * sms:
+        rows //= 2
+    return rows
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, row_words, goff, soff, n_units, ROWS,
+    magic,
+    QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    OUT_BF16: tl.constexpr, EVEN: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr = False,
+):
+    # x: [K]; w / b8 / h: the repacked rows (one tensor, three views); out: [N]; part: [chunks, N] float32; count:
+    # one zero per row range. Program (g, c): rows g*ROWS .. over units c*U .. c*U + U - 1. DIRECT (one chunk):
+    # bias, round and store from the loop.
+    pdl_enter(PDL)
+    GW: tl.constexpr = 128 // BITS  # weights per unit
+    c = tl.program_id(1)
+    ui = tl.arange(0, U)
+    wi = tl.arange(0, 4)
+    units = c * U + ui
+    live_u = (units < n_units) | EVEN
+    xo = units[:, None] * GW + wi[None, :]  # [U, 4]: field j of word i is weight GW*u + 4*j + i
+    lx = live_u[:, None]
+    x0 = _widen(tl.load(x_ptr + xo, mask=lx, other=0.0))
+    x1 = _widen(tl.load(x_ptr + xo + 4, mask=lx, other=0.0))
+    x2 = _widen(tl.load(x_ptr + xo + 8, mask=lx, other=0.0))
+    x3 = _widen(tl.load(x_ptr + xo + 12, mask=lx, other=0.0))
+    xs = x0 + x1 + x2 + x3
+    if BITS == 4:
+        x4 = _widen(tl.load(x_ptr + xo + 16, mask=lx, other=0.0))
+        x5 = _widen(tl.load(x_ptr + xo + 20, mask=lx, other=0.0))
+        x6 = _widen(tl.load(x_ptr + xo + 24, mask=lx, other=0.0))
+        x7 = _widen(tl.load(x_ptr + xo + 28, mask=lx, other=0.0))
+        xs += x4 + x5 + x6 + x7
+    xsum = tl.sum(xs, axis=1)  # [U]: the unit's activations summed (the offset o's factor)
+    first = tl.program_id(0) * ROWS
+    last = tl.minimum(first + ROWS, N)
+    for r0 in range(first, last, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        rw = tl.minimum(rows, N - 1).to(tl.int64) * row_words  # [BN] the row's first word
+        words, s, o = _step(w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u, goff, soff,
+                            QTYPE)  # [BN, U, 4], [BN, U]
+        high = words >> (12 if BITS == 4 else 16)
+        t = x0[None, :, :] * _plane(words, high, magic, 0, BITS)
+        t += x1[None, :, :] * _plane(words, high, magic, 1, BITS)
+        t += x2[None, :, :] * _plane(words, high, magic, 2, BITS)
+        t += x3[None, :, :] * _plane(words, high, magic, 3, BITS)
+        if BITS == 4:
+            t += x4[None, :, :] * _plane(words, high, magic, 4, BITS)
+            t += x5[None, :, :] * _plane(words, high, magic, 5, BITS)
+            t += x6[None, :, :] * _plane(words, high, magic, 6, BITS)
+            t += x7[None, :, :] * _plane(words, high, magic, 7, BITS)
+        # [BN, U]: the row's sum over the lanes in every lane; lane 0 stores it (kept in the tile's layout: no trip
+        # through shared memory)
+        acc = tl.sum(tl.sum(t, axis=2) * s + o * xsum[None, :], axis=1, keep_dims=True) + tl.zeros_like(s)
+        at = rows[:, None] + ui[None, :] * 0
+        live = (rows < last)[:, None] & (ui == 0)[None, :]
+        if DIRECT:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + at, mask=live, other=0.0).to(tl.float32)
+            tl.store(out_ptr + at, _round(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
+        else:
+            tl.store(part_ptr + c * N + at, acc, mask=live)
+    if not DIRECT:  # the range's last program to arrive sums its chunks in order
+        chunks = tl.num_programs(1)
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel") + 1
+        if done == chunks:
+            for r0 in range(first, last, BLOCK_N):
+                rows = r0 + tl.arange(0, BLOCK_N)
+                live = rows < last
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for cc in range(0, chunks):  # fixed order: deterministic
+                    acc += tl.load(part_ptr + cc * N + rows, mask=live, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + rows, mask=live, other=0.0).to(tl.float32)
+                tl.store(out_ptr + rows, _round(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
+            tl.store(count_ptr + tl.program_id(0), 0)  # ready for the next launch (or graph replay)
+
+
+def fits(x: torch.Tensor, packed: torch.Tensor, qtype: str, out: torch.Tensor | None) -> bool:
+    """Whether this kernel takes the product: ON and a type of QTYPES, one row, a contiguous output row, few enough
+    row ranges."""
+    return (ON and qtype in QTYPES and x.shape[0] == 1 and (out is None or out.stride(-1) == 1)
+            and triton.cdiv(packed.shape[0], 16) <= COUNTERS)
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:  # [1, N] in x.dtype
+    """x [1, K] @ W^T (+ bias) for repacked rows `packed` [N, row bytes]; `rows` per program (None: by the grid)."""
+    k = x.shape[1]
+    w32, w8, w16, row_words, goff, soff, n_units = _views(packed, qtype, k)
+    n = packed.shape[0]
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    chunks = triton.cdiv(n_units, UNITS)
+    rows = rows or rows_per_program(n, chunks, multiprocessors(x.device))
+    direct = chunks == 1
+    part = out if direct else torch.empty(chunks, n, dtype=torch.float32, device=x.device)
+    _gemv_rows_kernel[(triton.cdiv(n, rows), chunks)](
+        x, w32, w8, w16, bias if bias is not None else x, out, part, arrival_counters(x.device), n, row_words, goff,
+        soff, n_units, rows, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=UNITS, BLOCK_N=BLOCK_N[SPEC[qtype][0]],
+        HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16, EVEN=n_units % UNITS == 0, DIRECT=direct,
+        num_warps=WARPS, **pdl(x.device),
+    )
+    return out

@@ -1,0 +1,75 @@
+"""The one-row GEMV with the activations held in registers (layers/quant_gemv_rows.py) equals gguf's dequantized
+weights times x, over several K chunks (the last-arriver sum), several row ranges, ragged row and unit counts, bias,
+and a column slice of a wider output; `quant_gemv_repacked.gemv` sends one-row products to it.
+
+On the CPU it runs under Triton's interpreter; the CUDA test of test_quant_repacked.py covers it at Qwen3-8B shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+
+from test_quant_repacked import DEV, assert_product, reference, weight_bytes  # noqa: E402
+
+from draftflow.layers import quant_gemv_repacked as rg  # noqa: E402
+from draftflow.layers import quant_gemv_rows as rows_kernel  # noqa: E402
+from draftflow.layers import quant_repack as qr  # noqa: E402
+from draftflow.layers.quant_linear import LAYOUT  # noqa: E402
+
+
+def _packed(qtype: str, n: int, units: int, seed: int = 0):
+    k = units * 128 // qr.SPEC[qtype][0]  # units of 16 bytes
+    assert k % LAYOUT[qtype][0] == 0
+    data = weight_bytes(qtype, n, k, seed)
+    return qr.repack(torch.from_numpy(data).to(DEV), qtype, k), reference(data, qtype).to(DEV), k
+
+
+@pytest.mark.parametrize(("qtype", "units"), [("Q4_K", 72), ("Q6_K", 48), ("Q8_0", 40), ("Q4_0", 24), ("Q5_K", 32)])
+def test_rows_kernel_equals_the_dequantized_product(qtype, units):
+    """72 Q4_K units: 3 chunks, the last ragged; 24 Q4_0 units: one ragged chunk (stored directly); 37 rows over
+    ranges of 16 rows."""
+    packed, w, k = _packed(qtype, 37, units)
+    x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    assert_product(rows_kernel.gemv(x, packed, qtype, rows=16), x, w)
+    bias = torch.randn(37, device=DEV)
+    wide = torch.full((1, 50), float("nan"), device=DEV)
+    got = rows_kernel.gemv(x, packed, qtype, bias, out=wide[:, 5:42], rows=32)
+    assert got.data_ptr() == wide[:, 5:].data_ptr()
+    assert_product(wide[:, 5:42], x, w, bias)
+    assert wide[:, :5].isnan().all() and wide[:, 42:].isnan().all()  # nothing written outside the slice
+
+
+def test_one_row_products_take_the_rows_kernel_and_agree_with_the_split_k_kernel(monkeypatch):
+    """bf16 activations: the dispatcher's one-row Q6_K result is the rows kernel's, and the split-K kernel's (forced
+    by an explicit tile) agrees with it to float32 summation order; Q4_K (not in QTYPES) and ON off keep the split-K
+    kernel."""
+    packed, w, k = _packed("Q6_K", 40, 64, seed=3)
+    x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(2)).to(torch.bfloat16)
+    assert rows_kernel.fits(x, packed, "Q6_K", None) and not rows_kernel.fits(x, packed, "Q4_K", None)
+    got = rg.gemv(x, packed, "Q6_K")
+    assert torch.equal(got, rows_kernel.gemv(x, packed, "Q6_K"))
+    split_k = rg.gemv(x, packed, "Q6_K", block_n=16, units=4, num_warps=4, split_k=2)
+    assert (got.float() - split_k.float()).abs().max() <= 2 ** -7 * split_k.float().abs().max()
+    assert_product(got.float(), x.float(), w, rtol=2 ** -7)
+    monkeypatch.setattr(rows_kernel, "ON", False)
+    assert not rows_kernel.fits(x, packed, "Q6_K", None)
+    assert torch.equal(rg.gemv(x, packed, "Q6_K"), rg.gemv(x, packed, "Q6_K", block_n=256, units=8, num_warps=4,
+                                                            split_k=2))
+
+
+def test_rows_per_program_fill_the_device():
+    """The most rows a program (power-of-two steps, <= 256) that keep PROGRAMS_PER_SM programs per multiprocessor."""
+    want = rows_kernel.PROGRAMS_PER_SM * 132
+    for n, chunks in ((24576, 4), (6144, 4), (4096, 12), (4096, 4)):
+        rows = rows_kernel.rows_per_program(n, chunks, 132)
+        assert rows % 16 == 0 and -(-n // rows) * chunks >= want
+        assert rows == 256 or -(-n // (2 * rows)) * chunks < want
+    assert rows_kernel.rows_per_program(24576, 4, 132) == 64
+    assert rows_kernel.rows_per_program(2048, 4, 132) == 16  # the grid cannot fill the device: one step each
