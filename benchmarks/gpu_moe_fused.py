@@ -201,7 +201,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also the 1-token step's kernels by class and name "
                    "(torch.profiler over graph replays)")
     p.add_argument("--step-variants", action="store_true", help="also the 1-token step and window with "
-                   "triton_kernels.PDL and moe_kernels.FOLD_NEXT_NORM each on and off (fresh captures)")
+                   "triton_kernels.PDL off and on (fresh captures)")
     p.add_argument("--out", required=True, help="folder for gpu_moe_fused.json")
     a = p.parse_args()
     from draftflow.layers import moe_kernels as mk
@@ -256,23 +256,23 @@ def main() -> None:
         g = res["graph"]
         if a.profile and dev == "cuda":
             res["profile_step"] = gt.profile(runner, START, 1, reps, out)
-        if a.step_variants and dev == "cuda":  # the step (and window) with PDL / the norm fold switched, fresh captures
+        if a.step_variants and dev == "cuda":  # the step (and window) with PDL switched off and on, fresh captures
             from draftflow.layers import triton_kernels as tk
 
             g["step_variants_ms"], g["window_variants_ms"] = {}, {}
-            defaults = (tk.PDL, mk.FOLD_NEXT_NORM)
-            for use_pdl, fold in ((False, False), (True, False), (False, True), (True, True)):
-                tk.PDL, mk.FOLD_NEXT_NORM = use_pdl, fold
+            default = tk.PDL
+            for use_pdl in (False, True):
+                tk.PDL = use_pdl
                 try:
                     variant = GraphRunner(model, kv, max_window=w, capture=True)
                     variant(7, None, START)
-                    name = ("pdl" if use_pdl else "no_pdl") + ("_fold_next_norm" if fold else "")
+                    name = "pdl" if use_pdl else "no_pdl"
                     g["step_variants_ms"][name] = gt.cuda_ms(lambda: variant(7, None, START), reps=reps, rounds=rounds)
                     g["window_variants_ms"][name] = gt.cuda_ms(lambda: variant(7, drafts[0], START), reps=reps,
                                                                rounds=rounds)
                     del variant
                 finally:
-                    tk.PDL, mk.FOLD_NEXT_NORM = defaults
+                    tk.PDL = default
         # The same 1-token step with the grouped kernels (the few-token ones switched off): a fresh runner, so a
         # fresh capture
         mk.FEW_TOKEN_KERNELS = False

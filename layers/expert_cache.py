@@ -241,10 +241,8 @@ class LayerExperts:
         # A fixed-order reduction over k: the result does not depend on which pass computed a row.
         return (rows.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
-    def compute_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fold: tuple | None = None
-                       ) -> torch.Tensor:
-        """`compute` on the device path: no host sync (so capturable), except a partly resident cache's long window.
-        `fold`: `moe_kernels.fused_experts`'s (windows it runs with the few-token kernels only)."""
+    def compute_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`compute` on the device path: no host sync (so capturable), except a partly resident cache's long window."""
         # x: [N, H]; ids, weights: [N, k] -> [N, H]
         cache, n = self.cache, x.shape[0]
         if self.row == 0 and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -262,7 +260,7 @@ class LayerExperts:
                 self.arrivals = torch.zeros(counter_size(x.shape[1], cache.slot_down.shape[2]), dtype=torch.int32,
                                             device=x.device)
             out = fused_experts(x, ids, weights, cache.slot_gate_up[slots], cache.slot_down[slots], self.slot_key,
-                                cache.tally[self.row], host, counters=self.arrivals, fold=fold)
+                                cache.tally[self.row], host, counters=self.arrivals)
         if self.row == len(cache.layers) - 1:
             cache.staged.copy_(cache.tally, non_blocking=True)  # for `rebalance`, after the window's last layer
         return out

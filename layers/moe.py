@@ -231,26 +231,6 @@ class SparseMoeBlock(nn.Module):
                                      self.norm_topk_prob)
         return (*kernels.add_rms(x, delta, norm_weight, eps, offset), None)
 
-    def forward_then_norm(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None,
-                          residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This block on the routed rows x, then the next residual add and RMSNorm, with the add and norm done by the
-        experts' own last launch: (residual + block(x), its RMSNorm), or None where that does not apply (then call
-        `forward` and the add + norm). Applies with `moe_kernels.FOLD_NEXT_NORM`, routing from `norm_and_route`, no
-        shared expert, and a window the few-token kernels run."""
-        from draftflow.layers import moe_kernels as mk
-
-        n = x.numel() // x.shape[-1]
-        if not (mk.FOLD_NEXT_NORM and routing is not None and not self.has_shared
-                and mk.takes_few_token(n, self.top_k, x.dtype) and residual.is_contiguous()
-                and residual.dtype == x.dtype):
-            return None
-        total, normed = torch.empty_like(residual), torch.empty_like(residual)
-        flat = x.reshape(n, x.shape[-1])
-        self.experts.compute_device(flat, routing[1], routing[0], fold=(residual, norm_weight, eps, offset, total,
-                                                                         normed))
-        return total, normed
-
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # x: [B, T, H] -> [B, T, H]; all B*T tokens of the window are routed and served at once. routing: (weights,
         # ids) [N, k] from norm_and_route, already computed on the device.

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import _round, add_rms_row, multiprocessors, pdl, pdl_enter
+from draftflow.layers.triton_kernels import _round, multiprocessors, pdl, pdl_enter
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_MAX_PAIRS = 32
@@ -138,16 +138,13 @@ def _gate_up_small_kernel(
 @triton.jit
 def _down_small_kernel(
     act_ptr, ids_ptr, route_w_ptr, slot_ptr, w_ptr, host_ptr, z_ptr, out_ptr, count_ptr,
-    res_ptr, nw_ptr, sum_ptr, normed_ptr, eps,
     N, H, I, S, stride_slot, stride_host,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-    IS_BF16: tl.constexpr, FOLD: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+    IS_BF16: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # act: [N*K, I]; w: [S, H, I]; z: [N*K, H] float32 = round(round(act W_d^T) * route_w) per pair; out: [N, H] =
     # sum over j of z[t*K + j] in the order j = 0..K-1, by the last program of each column block (count: [cdiv(H,
-    # BLOCK_N) + 1] zeros). One program per (pair p, block of H columns); only the first pair of each expert works.
-    # FOLD: the last column block's finisher to arrive (count's last entry) also does the residual add and the next
-    # RMSNorm of every token: sum = res + out, normed = RMSNorm(sum) with weight nw (triton_kernels.add_rms_row)
+    # BLOCK_N)] zeros). One program per (pair p, block of H columns); only the first pair of each expert works.
     pdl_enter(PDL)
     p = tl.program_id(0)
     cb = tl.program_id(1)
@@ -184,20 +181,6 @@ def _down_small_kernel(
     tl.store(out_ptr + toks[:, None].to(tl.int64) * H + cols[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
     if done == N * K:
         tl.store(count_ptr + cb, 0)  # ready for the next launch (or graph replay)
-        if FOLD:
-            tl.debug_barrier()  # this block's output rows are written before the release below
-            blocks = tl.num_programs(1)
-            finished = tl.atomic_add(count_ptr + blocks, 1, sem="acq_rel") + 1
-            if finished == blocks:  # every column block's rows are written: the add and norm of whole rows
-                hs = tl.arange(0, BLOCK_H)
-                for tt in tl.static_range(BLOCK_T):
-                    row_live = (hs < H) & (hs * 0 + tt < N)
-                    at = tt * H
-                    s, y = add_rms_row(res_ptr + at, out_ptr + at, nw_ptr, hs, row_live, H, eps, True, OFFSET, IS_BF16,
-                                       True)
-                    tl.store(sum_ptr + at + hs, s.to(sum_ptr.dtype.element_ty), mask=row_live)
-                    tl.store(normed_ptr + at + hs, y.to(normed_ptr.dtype.element_ty), mask=row_live)
-                tl.store(count_ptr + blocks, 0)
 
 
 def small_config(tokens: int, pairs: int, h: int, i: int, device: torch.device) -> tuple[int, int, int]:
@@ -220,13 +203,11 @@ def small_config(tokens: int, pairs: int, h: int, i: int, device: torch.device) 
 
 def counter_size(h: int, i: int) -> int:
     """int32 counters the few-token kernels need (zeros; they leave them zeroed), at any config they accept."""
-    return SMALL_MAX_PAIRS * triton.cdiv(i, 8) + triton.cdiv(h, 16) + 1
+    return SMALL_MAX_PAIRS * triton.cdiv(i, 8) + triton.cdiv(h, 16)
 
 
-def small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, host_down, out, config, counters,
-                  fold=None):
-    """The two few-token launches; `fold` = (residual, norm weight, eps, offset, sum out, normed out): the down launch
-    also writes residual + out and its RMSNorm (as triton_kernels.add_rms would), for the next layer's input."""
+def small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, host_down, out, config, counters):
+    """The two few-token launches."""
     n, k = ids.shape
     h, i = x.shape[1], down.shape[2]
     pairs = n * k
@@ -250,14 +231,12 @@ def small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, 
         SPLIT=split, IS_BF16=is_bf16, **common, num_warps=4, **pdl(x.device),
     )
     z = torch.empty(pairs, h, dtype=torch.float32, device=x.device)  # [N*k, H]
-    res, norm_w, eps, offset, total, normed = fold if fold is not None else (out, out, 0.0, False, out, out)
     _down_small_kernel[(pairs, n_h)](
         act, ids, weights, slot_of, down, host_down, z, out, counters[SMALL_MAX_PAIRS * triton.cdiv(i, 8):],
-        res, norm_w, total, normed, eps, n, h, i,
+        n, h, i,
         gate_up.shape[0], down.stride(0), host_down.stride(0), BLOCK_N=block_n,
         BLOCK_J=DOWN_BLOCK_J if i >= DOWN_BLOCK_J else max(16, triton.next_power_of_2(i)), IS_BF16=is_bf16,
-        FOLD=fold is not None, OFFSET=offset, BLOCK_H=triton.next_power_of_2(h), **common, num_warps=4,
-        **pdl(x.device),
+        **common, num_warps=4, **pdl(x.device),
     )
     return out
 

@@ -185,10 +185,6 @@ def _blocks(pairs: int) -> int:
     return 16 if pairs <= 16 else 32
 
 
-FOLD_NEXT_NORM = False  # the few-token down launch also does the next layer's residual add + input RMSNorm (off:
-# written 2026-12-01 without a GPU to time it; `benchmarks/gpu_moe_fused.py --step-variants` measures it both ways)
-
-
 def few_token_fits(n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether the few-token kernels can serve n tokens at top-k (path="small")."""
     return n * k <= SMALL_MAX_PAIRS and n <= SMALL_MAX_TOKENS and dtype in (torch.bfloat16, torch.float32)
@@ -212,7 +208,6 @@ def fused_experts(
     path: str = "auto",  # "small" (few-token kernels), "grouped" (the kernels by pair / by expert), "auto": by size
     small: tuple[int, int, int] | None = None,  # few-token (gate/up columns, K chunks, down columns); None: small_config
     counters: torch.Tensor | None = None,  # int32 zeros of counter_size(H, I) the few-token kernels leave zeroed
-    fold: tuple | None = None,  # few-token path only: (residual, norm weight, eps, offset, sum out, normed out)
 ) -> torch.Tensor:  # [N, H]
     """Sum over k of weight * expert(x) for every token, reading each routed expert once (from its slot, or from
     pinned host memory when it has none). Up to SMALL_MAX_PAIRS (token, expert) pairs (and SMALL_MAX_TOKENS tokens,
@@ -233,9 +228,7 @@ def fused_experts(
         raise ValueError(f"path={path!r}: expected 'auto', 'small' or 'grouped'")
     if path == "small" or (path == "auto" and takes_few_token(n, k, x.dtype)):
         return small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, host_down, out, small,
-                              counters, fold)
-    if fold is not None:
-        raise ValueError("fused_experts: only the few-token path folds in the next norm; check takes_few_token first")
+                              counters)
     block_t = max(16, min(FUSED_MAX_TOKENS, triton.next_power_of_2(n)))
     by_pair = n <= block_t and pairs <= num_experts  # one token block: program p leads the expert of pair p
     leads = pairs if by_pair else num_experts

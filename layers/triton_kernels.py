@@ -297,15 +297,12 @@ def decode_attention(
 # (the compile was most of the warm-up, docs/BENCHMARKS.md). Rounding follows the plain ops.
 @triton.jit
 def add_rms_row(x_ptr, d_ptr, w_ptr, cols, live, H, eps, HAS_DELTA: tl.constexpr, OFFSET: tl.constexpr,
-                IS_BF16: tl.constexpr, DELTA_CG: tl.constexpr = False):
+                IS_BF16: tl.constexpr):
     # One row: (sum = x + delta rounded like the storage dtype, RMSNorm(sum) rounded where the plain ops round), both
-    # float32 [BLOCK]. DELTA_CG: delta was written by other programs of this launch (read it from L2, not L1)
+    # float32 [BLOCK]
     s = tl.load(x_ptr + cols, mask=live, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        if DELTA_CG:
-            delta = tl.load(d_ptr + cols, mask=live, other=0.0, cache_modifier=".cg")
-        else:
-            delta = tl.load(d_ptr + cols, mask=live, other=0.0)
+        delta = tl.load(d_ptr + cols, mask=live, other=0.0)
         s = _round(s + delta.to(tl.float32), IS_BF16)
     h = s * tl.math.rsqrt(tl.sum(s * s, 0) / H + eps)
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)

@@ -163,23 +163,16 @@ class TargetModel(nn.Module):
             if reduce is not None:
                 delta = reduce(delta)
             norm = self.layers[i + 1].input_layernorm.weight if i < last else self.norm.weight
-            folded = None
             if isinstance(layer.mlp, SparseMoeBlock):  # its routing may come with the norm, in one launch
                 x, h, routing = layer.mlp.norm_and_route(x, delta, layer.post_attention_layernorm.weight, eps, offset,
                                                          ops)
-                if reduce is None:  # the experts' last launch may also do the next add + norm
-                    folded = layer.mlp.forward_then_norm(h, routing, x, norm, eps, offset)
-                if folded is None:
-                    delta = layer.mlp(h, routing)
+                delta = layer.mlp(h, routing)
             else:
                 x, h = ops.add_rms(x, delta, layer.post_attention_layernorm.weight, eps, offset)
                 delta = layer.mlp(h, kernels)
-            if folded is not None:
-                x, h = folded
-            else:
-                if reduce is not None:
-                    delta = reduce(delta)
-                x, h = ops.add_rms(x, delta, norm, eps, offset)  # h: the next layer's input (the final norm at the end)
+            if reduce is not None:
+                delta = reduce(delta)
+            x, h = ops.add_rms(x, delta, norm, eps, offset)  # h: the next layer's input (the final norm at the end)
             if i in taps:
                 captured[i] = h if i == last else x
         tapped = torch.cat([captured[i] for i in taps], dim=-1) if taps else None

@@ -223,34 +223,6 @@ def test_few_token_kernels_match_the_grouped_kernels(tokens, top_k, norm):
     assert torch.equal(again, out["small"])
 
 
-@pytest.mark.parametrize("offset", [False, True])
-@pytest.mark.parametrize("tokens,config", [(1, None), (3, (8, 1, 32))])
-def test_few_token_down_folds_in_the_next_add_and_norm(tokens, config, offset):
-    """`fold`: the down launch's last column-block finisher also writes residual + out and its RMSNorm, exactly what
-    fused.add_rms gives on the unfolded output; the output itself unchanged, the counters (the fold's too) left zeroed;
-    the grouped path refuses a fold."""
-    from draftflow.layers import fused
-
-    e = 16
-    (x, ids, weights, gate_up, down), want = _experts(e, tokens, 4, True, seed=31 + tokens)
-    args = [t.to(DEVICE) for t in (x, ids, weights, gate_up, down, torch.arange(e))]
-    gen = torch.Generator().manual_seed(tokens)
-    residual = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
-    norm_w = torch.randn(HIDDEN, generator=gen).to(DEVICE)
-    total, normed = torch.empty_like(residual), torch.empty_like(residual)
-    counters = torch.zeros(moe_kernels.counter_size(HIDDEN, WIDTH), dtype=torch.int32, device=DEVICE)
-    tally = torch.zeros(e + 2, dtype=torch.int32, device=DEVICE)
-    out = moe_kernels.fused_experts(*args, tally, path="small", small=config, counters=counters,
-                                    fold=(residual, norm_w, 1e-6, offset, total, normed))
-    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
-    want_sum, want_normed = fused.add_rms(residual, out, norm_w, 1e-6, offset)
-    torch.testing.assert_close(total, want_sum, atol=0, rtol=0)
-    torch.testing.assert_close(normed, want_normed, atol=1e-6, rtol=1e-5)
-    assert not counters.any()
-    with pytest.raises(ValueError, match="only the few-token path folds"):
-        moe_kernels.fused_experts(*args, tally, path="grouped", fold=(residual, norm_w, 1e-6, offset, total, normed))
-
-
 @pytest.mark.parametrize("config", [(8, 1, 16), (16, 4, 32)])
 def test_few_token_configs_and_dispatch(config):
     """Any accepted (gate/up columns, K chunks, down columns) gives the same sums (one K chunk: no reduce; four);

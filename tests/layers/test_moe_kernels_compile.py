@@ -77,9 +77,7 @@ for dt in ("bf16", "fp32"):
         small = dict(K=pairs // tokens, BLOCK_T=tokens, BLOCK_KP=pairs // tokens, IS_BF16=dt == "bf16")
         compile_(few._gate_up_small_kernel, types, dict(small, BLOCK_I=block_i, BLOCK_H=256, SPLIT=split), 4,
                  report=True)
-        for fold in (False, True) if tokens == 1 else (False,):  # with and without the next add + norm folded in
-            compile_(few._down_small_kernel, types, dict(small, BLOCK_N=block_n, BLOCK_J=256, FOLD=fold, OFFSET=False,
-                                                         BLOCK_H=2048), 4, report=True)
+        compile_(few._down_small_kernel, types, dict(small, BLOCK_N=block_n, BLOCK_J=256), 4, report=True)
     compile_(router._route_kernel, types, dict(K=8, BLOCK_E=128, BLOCK_K=8, NORM=True), 1)
     for add_rms in (False, True):  # the fused router at the 30B shape (E 128, H 2048), alone and with the norm
         compile_(router._router_kernel, types, dict(K=8, BLOCK_E=2, BLOCK_H=2048, BLOCK_ALL=128, BLOCK_K=8, NORM=True,
