@@ -11,6 +11,8 @@ Imported only on CUDA (Triton is a GPU dependency of torch).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -54,7 +56,8 @@ def multiprocessors(device: torch.device) -> int:
 # `pdl_enter(PDL)` (wait, then let its own successor launch), so each waits for the one before it
 # and completion stays transitive along the chain; a kernel without it (cuBLAS, torch ops) is a
 # full barrier as before. CUDA graphs capture the launches as programmatic edges.
-PDL = True  # switch (benchmarks/gpu_moe_fused.py --step-variants times the step with it off)
+PDL = os.environ.get("DRAFTFLOW_PDL", "1") != "0"  # DRAFTFLOW_PDL=0 turns it off (e.g. a driver that cannot capture
+# programmatic launches in a CUDA graph, CUDA < 12.3); benchmarks/gpu_moe_fused.py --step-variants times both
 _PDL_DEVICES: dict[int, bool] = {}
 
 
