@@ -58,6 +58,9 @@ SWEEP_REPACKED = ((32, 8, 2, None, False), (64, 16, 4, None, False), (128, 8, 4,
                   (64, 8, 4, 4, False), (64, 8, 4, 8, False), (64, 8, 4, 16, False), (64, 8, 4, None, True))
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# (rows a loop step, ptxas register cap) of the one-row rows kernel for --rows-sweep: Triton 3.6 compiles 16 rows of
+# 4-bit codes to 215 registers (2 programs an SM), 8 rows to 117, 4 rows to 56 (sm_90 compile, 2026-12-01)
+ROWS_SWEEP = ((4, None), (8, None), (16, None), (16, 128), (8, 96))
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -279,9 +282,13 @@ def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
     if m == 1:  # the activation-stationary one-row kernel (layers/quant_gemv_rows.py), which `gemv` picks at one row
         from draftflow.layers import quant_gemv_rows
 
-        ms = kernel_ms(lambda: quant_gemv_rows.gemv(x, packed, qtype), reps, a.rounds)
-        cells[f"{qtype} rows kernel m=1"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
-                                             "file_GBps": blocks.nbytes / ms / 1e6, "speedup": old["us"] / (ms * 1e3)}
+        variants = [(None, None)] + ([(bn, cap) for bn, cap in ROWS_SWEEP] if a.rows_sweep else [])
+        for bn, cap in variants:
+            ms = kernel_ms(lambda: quant_gemv_rows.gemv(x, packed, qtype, block_n=bn, maxnreg=cap), reps, a.rounds)
+            tag = "" if bn is None else f" {bn} rows/step" + (f", maxnreg {cap}" if cap else "")
+            cells[f"{qtype} rows kernel m=1{tag}"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
+                                                      "file_GBps": blocks.nbytes / ms / 1e6,
+                                                      "speedup": old["us"] / (ms * 1e3)}
     if qtype == "Q4_K" and plan.split > 1 and m <= rg.FUSED_MAX_ROWS:  # what the fused split-K reduction saves
         ms = kernel_ms(lambda: rg.gemv(x, packed, qtype, fused_reduce=False), reps, a.rounds)
         cells[f"{qtype} repacked m={m} 2 launches"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
@@ -439,6 +446,8 @@ def main() -> int:
     p.add_argument("--sweep-until-s", type=float, default=75, help="skip the sweep's remaining shapes past this time")
     p.add_argument("--tuned-until-s", type=float, default=190, help="skip the run with the best repacked tile past "
                    "this time")
+    p.add_argument("--rows-sweep", action="store_true", help="also the one-row rows kernel (layers/quant_gemv_rows.py) "
+                   "at each (rows a step, register cap) of ROWS_SWEEP")
     p.add_argument("--no-projections", dest="projections", action="store_false",
                    help="skip the per-projection GEMV table (decode rows only)")
     p.add_argument("--dflash-configs", default="bf16,q4_k_m+r", help="configs after which the DFlash cycle runs "

@@ -137,8 +137,10 @@ def fits(x: torch.Tensor, packed: torch.Tensor, qtype: str, out: torch.Tensor | 
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:  # [1, N] in x.dtype
-    """x [1, K] @ W^T (+ bias) for repacked rows `packed` [N, row bytes]; `rows` per program (None: by the grid)."""
+         out: torch.Tensor | None = None, rows: int | None = None, block_n: int | None = None,
+         maxnreg: int | None = None) -> torch.Tensor:  # [1, N] in x.dtype
+    """x [1, K] @ W^T (+ bias) for repacked rows `packed` [N, row bytes]; `rows` per program (None: by the grid),
+    `block_n` rows a loop step (None: BLOCK_N by bits), `maxnreg` a register cap for ptxas (benchmark sweeps)."""
     k = x.shape[1]
     w32, w8, w16, row_words, goff, soff, n_units = _views(packed, qtype, k)
     n = packed.shape[0]
@@ -146,12 +148,15 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor |
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     chunks = triton.cdiv(n_units, UNITS)
     rows = rows or rows_per_program(n, chunks, multiprocessors(x.device))
+    block_n = block_n or BLOCK_N[SPEC[qtype][0]]
+    if rows % block_n:
+        raise ValueError(f"rows per program ({rows}) must be a multiple of the rows a step ({block_n})")
     direct = chunks == 1
     part = out if direct else torch.empty(chunks, n, dtype=torch.float32, device=x.device)
     _gemv_rows_kernel[(triton.cdiv(n, rows), chunks)](
         x, w32, w8, w16, bias if bias is not None else x, out, part, arrival_counters(x.device), n, row_words, goff,
-        soff, n_units, rows, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=UNITS, BLOCK_N=BLOCK_N[SPEC[qtype][0]],
+        soff, n_units, rows, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=UNITS, BLOCK_N=block_n,
         HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16, EVEN=n_units % UNITS == 0, DIRECT=direct,
-        num_warps=WARPS, **pdl(x.device),
+        num_warps=WARPS, **pdl(x.device), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

@@ -64,6 +64,15 @@ def test_one_row_products_take_the_rows_kernel_and_agree_with_the_split_k_kernel
                                                             split_k=2))
 
 
+def test_rows_a_step_is_a_parameter_and_must_divide_the_rows_a_program():
+    """The benchmark's sweep knob: 4 rows a step gives the same product; rows a program must be a multiple of it."""
+    packed, w, k = _packed("Q4_K", 21, 40, seed=4)
+    x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(5))
+    assert_product(rows_kernel.gemv(x, packed, "Q4_K", rows=16, block_n=4), x, w)
+    with pytest.raises(ValueError, match="multiple of the rows a step"):
+        rows_kernel.gemv(x, packed, "Q4_K", rows=16, block_n=32)
+
+
 def test_rows_per_program_fill_the_device():
     """The most rows a program (power-of-two steps, <= 256) that keep PROGRAMS_PER_SM programs per multiprocessor."""
     want = rows_kernel.PROGRAMS_PER_SM * 132
