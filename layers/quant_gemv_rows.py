@@ -3,7 +3,7 @@
 The split-K GEMV of quant_gemv_repacked walks a program's rows' K range: each loop step loads a
 new slice of x for every plane (8 loads a step at 4 bits) and a scale group per (row, unit) as
 four scattered small loads. On the H200 `ncu` put that kernel at 80% of the L1's throughput and
-23% of DRAM's (Q4_K, 24576 x 4096, 1.12 TB/s; `.dev`-style run recorded in docs/GGUF.md): the
+23% of DRAM's (Q4_K, 24576 x 4096, 1.12 TB/s; benchmarks/results/h200_ncu_repacked_gemv.txt): the
 L1 requests, not the instructions or the bytes, bound it.
 
 Here the roles swap. A program owns a chunk of U consecutive 16-byte units of every row (U * GW
@@ -38,7 +38,7 @@ QTYPES = frozenset(t for t, spec in SPEC.items() if spec[0] == 8)
 UNITS = 32  # units per chunk: one warp's lanes, one unit each
 # rows per loop step by bits per code: 4 warps x 2 or 4 layout repetitions (2 or 4 x 16 B of codes in flight per
 # lane). With Triton 3.6 (the H200 image) 16 rows of 4-bit codes take 215 registers (2 programs an SM; 3.9: 72), 8
-# rows 117; 8-bit codes 128 at 16 rows (tests/layers/test_quant_repacked_compile.py)
+# rows 117; 8-bit codes 128 at 16 rows (compiled for sm_90 with each Triton; the compile test checks the installed one)
 BLOCK_N = {4: 8, 8: 16}
 WARPS = 4
 PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
