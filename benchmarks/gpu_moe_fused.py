@@ -166,7 +166,7 @@ def layer_alone(model, cfg, tokens: int, bw: float, reps: int, quick: bool = Fal
 def router_alone(cfg, reps: int) -> dict:
     """The post-attention add + RMSNorm and the router at 1 token, captured in CUDA graphs (us): the Triton add_rms
     then cuBLAS's GEMV then route_topk (three launches) against add_rms_route (one) at each ROUTER_WARPS."""
-    from draftflow.layers import moe_router as mk
+    from draftflow.layers import moe_router as mr
     from draftflow.layers import triton_kernels as tk
 
     h, e, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
@@ -177,17 +177,17 @@ def router_alone(cfg, reps: int) -> dict:
 
     def three():
         _, normed = tk.add_rms(x, delta, norm_w, 1e-6)
-        return mk.route_topk(torch.nn.functional.linear(normed.view(1, h), weight), k, True, DTYPE)
+        return mr.route_topk(torch.nn.functional.linear(normed.view(1, h), weight), k, True, DTYPE)
 
     out = {"three_launches_us": graph_ms(three, reps, rounds) * 1e3}
-    default = mk.ROUTER_WARPS
+    default = mr.ROUTER_WARPS
     for warps in (1, 2, 4, 8):
-        mk.ROUTER_WARPS = warps
+        mr.ROUTER_WARPS = warps
         try:
             out[f"add_rms_route_warps{warps}_us"] = graph_ms(
-                lambda: mk.add_rms_route(x, delta, norm_w, 1e-6, False, weight, k, True), reps, rounds) * 1e3
+                lambda: mr.add_rms_route(x, delta, norm_w, 1e-6, False, weight, k, True), reps, rounds) * 1e3
         finally:
-            mk.ROUTER_WARPS = default
+            mr.ROUTER_WARPS = default
     return out
 
 

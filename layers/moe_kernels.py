@@ -190,11 +190,6 @@ def few_token_fits(n: int, k: int, dtype: torch.dtype) -> bool:
     return n * k <= SMALL_MAX_PAIRS and n <= SMALL_MAX_TOKENS and dtype in (torch.bfloat16, torch.float32)
 
 
-def takes_few_token(n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether fused_experts(path="auto") runs n tokens at top-k in the two few-token launches."""
-    return FEW_TOKEN_KERNELS and few_token_fits(n, k, dtype)
-
-
 def fused_experts(
     x: torch.Tensor,  # [N, H]
     ids: torch.Tensor,  # [N, k] int64 expert ids
@@ -226,7 +221,7 @@ def fused_experts(
                          f"tokens in bf16 or float32; got {n} tokens x top-{k} in {x.dtype}: use path='auto'")
     if path not in ("auto", "small", "grouped"):
         raise ValueError(f"path={path!r}: expected 'auto', 'small' or 'grouped'")
-    if path == "small" or (path == "auto" and takes_few_token(n, k, x.dtype)):
+    if path == "small" or (path == "auto" and FEW_TOKEN_KERNELS and few_token_fits(n, k, x.dtype)):
         return small_experts(x, ids, weights, gate_up, down, slot_of, tally, host_gate_up, host_down, out, small,
                               counters)
     block_t = max(16, min(FUSED_MAX_TOKENS, triton.next_power_of_2(n)))

@@ -23,14 +23,12 @@ tensor-core `tl.dot` per part (see quant_kernels' docstring for the rounding).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from draftflow.layers.quant_kernels import _INTERPRETED, _check, _meta, _part
-from draftflow.layers.triton_kernels import _round
+from draftflow.layers.triton_kernels import _round, multiprocessors
 
 DOT_MIN_ROWS = 5  # from this many rows the GEMV multiplies on tensor cores
 # (output features per program, warps) of the multiply-add path by rows (<= 2, 3-4) and of the tl.dot path
@@ -45,11 +43,6 @@ PROGRAMS_PER_SM = 16
 PARTIAL_SHARE = 0.25  # the partials' write + read (8 * SPLIT * M bytes a row) at most this share of the row's bytes
 MAX_SPLIT = 16
 REDUCE_BLOCK = 512
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def tile(m: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -80,7 +73,7 @@ def plan(m: int, n: int, qtype: str, n_blocks: int, device: torch.device,
     if _INTERPRETED:  # the interpreter pays per program: wide tiles, and a split of 2 so the tests cover it
         return 256, warps, 2
     steps = n_blocks // meta(qtype, n_blocks, m, dtype)["UNROLL"]  # the row in UNROLL-block steps
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = multiprocessors(device)
     want = triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(n, block_n))
     row_bytes = n_blocks * _meta(qtype, n_blocks)["BB"]
     cap = max(1, int(PARTIAL_SHARE * row_bytes / (8 * m)))

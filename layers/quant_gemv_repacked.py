@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.quant_gemv import REDUCE_BLOCK, _reduce_kernel, _sm_count
+from draftflow.layers.quant_gemv import REDUCE_BLOCK, _reduce_kernel
 from draftflow.layers.quant_kernels import _INTERPRETED, _f32, matmul_with
 from draftflow.layers.quant_repack import RTYPES, SPEC, row_bytes, sections
-from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters, pdl, pdl_enter
+from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters, multiprocessors, pdl, pdl_enter
 
 DOT_MIN_ROWS = 2  # the multiply-add path is written for one row
 _CODE = {name: i for i, name in enumerate(RTYPES)}  # Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
@@ -95,7 +95,7 @@ def plan(m: int, n: int, qtype: str, k: int, device: torch.device, dtype: torch.
     block_n, units, warps = tile(m, dtype)
     if _INTERPRETED:  # the interpreter pays per program: wide tiles, and a split of 2 so the tests cover it
         return Plan(256, units, warps, 2)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = multiprocessors(device)
     cap = max(1, int(PARTIAL_SHARE * row_bytes(qtype, k) / (8 * m)))
     steps = triton.cdiv(k * SPEC[qtype][0] // 128, units)  # loop steps of a row
     slots = RESIDENT["fma" if m < DOT_MIN_ROWS else "dot"] * sms

@@ -162,7 +162,6 @@ class TargetModel(nn.Module):
                 delta = layer.self_attn(h, cos, sin, cache, layer.slot, window=window, kernels=kernels)
             if reduce is not None:
                 delta = reduce(delta)
-            norm = self.layers[i + 1].input_layernorm.weight if i < last else self.norm.weight
             if isinstance(layer.mlp, SparseMoeBlock):  # its routing may come with the norm, in one launch
                 x, h, routing = layer.mlp.norm_and_route(x, delta, layer.post_attention_layernorm.weight, eps, offset,
                                                          ops)
@@ -172,6 +171,7 @@ class TargetModel(nn.Module):
                 delta = layer.mlp(h, kernels)
             if reduce is not None:
                 delta = reduce(delta)
+            norm = self.layers[i + 1].input_layernorm.weight if i < last else self.norm.weight
             x, h = ops.add_rms(x, delta, norm, eps, offset)  # h: the next layer's input (the final norm at the end)
             if i in taps:
                 captured[i] = h if i == last else x
