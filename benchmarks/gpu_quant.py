@@ -380,6 +380,13 @@ def run(a) -> dict:
         if config != "bf16" and "error" not in results[config]:
             results[config]["gemv_rel_err"] = gt.guarded(None, "check", lambda config=config: check_product(model, config))
         res.save("configs", results)
+        if config == "bf16" and a.gemv_all and not a.tiny and "error" not in results[config]:
+            from draftflow.layers import gemv
+
+            gemv.PREFER_ALL = True  # every one-row bf16 product through gemv.linear (PDL-chained), not only o_proj
+            results["bf16 gemv-all"] = gt.guarded(None, "gemv-all", lambda: measure(model, cfg, bw, a))
+            gemv.PREFER_ALL = False
+            res.save("configs", results)
     tiles = best_tiles(totals)
     # the last configuration again with the sweep's tiles (the file-layout GEMV's)
     if tiles != qk.GEMV_TILES and config != "bf16" and "+" not in config and not a.tiny:
@@ -448,6 +455,8 @@ def main() -> int:
                    "this time")
     p.add_argument("--rows-sweep", action="store_true", help="also the one-row rows kernel (layers/quant_gemv_rows.py) "
                    "at each (rows a step, register cap) of ROWS_SWEEP")
+    p.add_argument("--gemv-all", action="store_true", help="also the bf16 step with every one-row product through "
+                   "layers/gemv.py's kernel (q/k/v, gate/up, down too), chained by PDL")
     p.add_argument("--no-projections", dest="projections", action="store_false",
                    help="skip the per-projection GEMV table (decode rows only)")
     p.add_argument("--dflash-configs", default="bf16,q4_k_m+r", help="configs after which the DFlash cycle runs "

@@ -64,7 +64,7 @@ class Attention(nn.Module):
         d, qh, kvh = self.head_dim, self.num_heads, self.num_kv_heads
         q_rows = qh * d * (2 if self.gated else 1)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        qkv = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj])  # None unless fused (fuse_projections)
+        qkv = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj], kernels.matmul)  # None unless fused (fuse_projections)
         gate = None
         if qkv is not None and kernels.prologue is not None and self.prologue_ok and hasattr(cache, "buffer"):
             kv = cache.buffer
@@ -104,12 +104,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels = PLAIN) -> torch.Tensor:
         # x: [B, T, H] -> [B, T, H]
-        gate_up = fused_linear(x, [self.gate_proj, self.up_proj])  # one product after fuse_projections
+        gate_up = fused_linear(x, [self.gate_proj, self.up_proj], kernels.matmul)  # one product after fuse_projections
         if gate_up is not None:
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(kernels.silu_mul(gate, up))
+        return kernels.project(self.down_proj, kernels.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

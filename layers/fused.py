@@ -86,7 +86,7 @@ class Kernels:
         self.compiled, self.elementwise = compiled, elementwise
         self.rms, self.add_rms, self.qk_rope, self.silu_mul = map(wrap, (rms, add_rms, qk_rope, silu_mul))
         self.prologue = self.split_attention = None
-        self.project = _project
+        self.project, self.matmul = _project, F.linear
         if prologue or split_attention or elementwise:
             from draftflow.layers import triton_kernels
 
@@ -117,18 +117,19 @@ class Kernels:
 
         from draftflow.layers import gemv
 
-        def project_(linear, x):
-            weight = getattr(linear, "weight", None)
-            if (type(linear) is nn.Linear and linear.bias is None and x.is_cuda and gemv.fits(x, weight)
-                    and gemv.prefer(weight)):
+        def matmul_(x, weight, bias=None):
+            if bias is None and x.is_cuda and gemv.fits(x, weight) and gemv.prefer(weight):
                 return gemv.linear(x, weight)
-            return linear(x)
+            return F.linear(x, weight, bias)
 
-        self.rms, self.add_rms, self.silu_mul, self.project = rms_, add_rms_, silu_mul_, project_
+        def project_(linear, x):
+            return matmul_(x, linear.weight, linear.bias) if type(linear) is nn.Linear else linear(x)
+
+        self.rms, self.add_rms, self.silu_mul, self.project, self.matmul = rms_, add_rms_, silu_mul_, project_, matmul_
 
 
 def _project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # The attention output projection: the module itself (the Triton elementwise kernels may take one-row products)
+    # A projection (o_proj, down_proj): the module itself (the Triton elementwise kernels may take one-row products)
     return linear(x)
 
 
@@ -170,7 +171,7 @@ def joined(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor | None:
+def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module], matmul: Callable = F.linear) -> torch.Tensor | None:
     """x times the linears' stacked weights as one product ([..., sum of outputs]); None when they are not fused.
 
     nn.Linear: one F.linear when `fuse_projections` put the weights back to back. QuantLinear
@@ -184,7 +185,7 @@ def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor 
         weight = joined([lin.weight for lin in linears])
         has_bias = first.bias is not None
         bias = joined([lin.bias for lin in linears]) if has_bias else None
-        return F.linear(x, weight, bias) if weight is not None and (bias is not None or not has_bias) else None
+        return matmul(x, weight, bias) if weight is not None and (bias is not None or not has_bias) else None
     if None in qtypes:
         return None  # some dequantized at load (a type the kernels do not cover): separate products
     if len(qtypes) == 1:

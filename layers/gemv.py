@@ -15,8 +15,12 @@ one product timed in CUDA graphs over weights that do not fit in L2): it beats c
 attention output projections, 30B-A3B's 2048 x 4096 (7.96 against 9.26 us) and Qwen3-8B's
 4096 x 4096 (12.35 against 13.35 us), and loses where N > K (q/k/v: 8.8 against 8.0 us at
 5120 x 2048) and on large weights (8B down: 30.0 against 29.2 us; gate/up 52.6 against 49.5).
-So `prefer` takes a weight with K >= N of at most PREFER_MAX_BYTES, and the model uses it for
-o_proj only (`fused.Kernels.project`, with the Triton elementwise kernels on CUDA).
+So `prefer` takes a weight with K >= N of at most PREFER_MAX_BYTES. The decoder offers every
+one-row dense product (fused q/k/v and gate/up through `fused.Kernels.matmul`, o_proj and down_proj
+through `Kernels.project`, with the Triton elementwise kernels on CUDA) and `prefer` picks: at
+Qwen3-8B shapes that is o_proj alone. Taking every product instead, chained by PDL (`PREFER_ALL`,
+`python benchmarks/gpu_quant.py --quick --configs bf16,q4_k_m+r --gemv-all ...`, 2026-12-02),
+made the bf16 step slower: 4.912 against 4.615 ms (`benchmarks/results/h200_gpu_quant_gemv_all.json`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ BLOCK_K = 1024
 PROGRAMS_PER_SM = 4  # split K until tiles x chunks fill this many programs per multiprocessor
 MIN_CHUNK = 1024  # ... but keep every chunk at least two loop steps long
 PREFER_MAX_BYTES = 40_000_000
+PREFER_ALL = False  # benchmark-only override (gpu_quant.py --gemv-all): take every product that fits
 
 
 @triton.jit
@@ -87,7 +92,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def prefer(weight: torch.Tensor) -> bool:
     """Whether this kernel beat cuBLAS on such a weight (K >= N, at most PREFER_MAX_BYTES; see the module doc)."""
     n, k = weight.shape
-    return k >= n and weight.numel() * weight.element_size() <= PREFER_MAX_BYTES
+    return PREFER_ALL or k >= n and weight.numel() * weight.element_size() <= PREFER_MAX_BYTES
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

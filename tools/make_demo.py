@@ -150,7 +150,8 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
     if kind == "mtp":
         return args + ["--labels", "target", "--lr", "3e-3"]
     # blocks need the target's own chain as labels (docs/TRAINING.md)
-    args += ["--labels", "regenerate", "--regen-windows", str(a.regen_windows), "--gguf", str(work / f"{kind}.gguf")]
+    args += ["--labels", "regenerate", "--regen-windows", str(a.regen_windows), "--anchors", str(a.anchors), "--gguf",
+             str(work / f"{kind}.gguf")]
     if kind == "dflash" and a.continue_dflash:  # a copy: --init-from may not be the --out it overwrites
         if not (out / "dflash" / "config.json").is_file():
             raise SystemExit(f"error: --continue-dflash: no DFlash drafter in {out / 'dflash'}; train one first "
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--drafter-data-mb", type=float, default=32.0)
     d.add_argument("--batch-size", type=int, default=8, help="drafter batch size (the GPU run used 64)")
     d.add_argument("--regen-windows", type=int, default=32768, help="regenerated windows for the block drafters")
+    d.add_argument("--anchors", type=int, default=64, help="block drafters: blocks per 256-token training window (the "
+                   "shipped drafters' continued runs used 64; their first DFlash run 16)")
     d.add_argument("--dflash-lr", type=float, default=3e-3)
     d.add_argument("--continue-dflash", action="store_true", help="dflash: continue training the drafter already in "
                    "OUT/dflash under a new schedule (new regenerated windows with another --seed)")

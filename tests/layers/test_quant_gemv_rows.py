@@ -48,11 +48,12 @@ def test_rows_kernel_equals_the_dequantized_product(qtype, units):
 
 def test_one_row_products_take_the_rows_kernel_and_agree_with_the_split_k_kernel(monkeypatch):
     """bf16 activations: the dispatcher's one-row Q6_K result is the rows kernel's, and the split-K kernel's (forced
-    by an explicit tile) agrees with it to float32 summation order; Q4_K (not in QTYPES) and ON off keep the split-K
-    kernel."""
+    by an explicit tile) agrees with it to float32 summation order; Q4_K is taken too, Q4_0 (not in QTYPES) and ON off
+    keep the split-K kernel."""
     packed, w, k = _packed("Q6_K", 40, 64, seed=3)
     x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(2)).to(torch.bfloat16)
-    assert rows_kernel.fits(x, packed, "Q6_K", None) and not rows_kernel.fits(x, packed, "Q4_K", None)
+    assert rows_kernel.fits(x, packed, "Q6_K", None) and rows_kernel.fits(x, packed, "Q4_K", None)
+    assert not rows_kernel.fits(x, packed, "Q4_0", None)
     got = rg.gemv(x, packed, "Q6_K")
     assert torch.equal(got, rows_kernel.gemv(x, packed, "Q6_K"))
     split_k = rg.gemv(x, packed, "Q6_K", block_n=16, units=4, num_warps=4, split_k=2)

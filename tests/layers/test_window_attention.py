@@ -85,3 +85,41 @@ def test_joined_refuses_views_that_would_misroute_gradients():
     assert joined(weights) is None
     with torch.no_grad():
         assert joined(weights) is not None
+
+
+def test_every_dense_product_of_a_layer_goes_through_the_kernels_choice():
+    """Fused q/k/v and gate/up run `Kernels.matmul`, o_proj and down_proj `Kernels.project` (where the CUDA GEMV
+    may take them), and the layer computes what the plain ops compute."""
+    from torch import nn
+
+    from draftflow.layers.decoder import MLP
+    from draftflow.layers.fused import Kernels
+
+    cfg, attn = _layer("qwen3")
+    mlp = MLP(cfg, torch.float32, "cpu")
+    layer = nn.Module()
+    layer.self_attn, layer.mlp = attn, mlp
+    holder = nn.Module()
+    holder.layers = [layer]
+    fuse_projections(holder)
+    seen = []
+
+    class Recording(Kernels):
+        def __init__(self):
+            super().__init__()
+            plain_project = self.project
+            self.matmul = lambda x, w, b=None: seen.append(("matmul", tuple(w.shape))) or torch.nn.functional.linear(x, w, b)
+            self.project = lambda lin, x: seen.append(("project", tuple(lin.weight.shape))) or plain_project(lin, x)
+
+    x = torch.randn(1, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x, Recording()), mlp(x), atol=0, rtol=0)
+        cos, sin = rope_tables(rope_inv_freq(cfg), torch.arange(3), torch.float32)
+        outs = []
+        for kernels in (Recording(), PLAIN):
+            cache = KVCache.from_static(torch.zeros(static_shape(cfg, 1, 8)))
+            outs.append(attn(x, cos, sin, cache, 0, window=Window.at(0, 3, "cpu"), kernels=kernels))
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h)
+    assert seen == [("matmul", (2 * i, h)), ("project", (h, i)), ("matmul", qkv), ("project", (h, cfg.num_heads * d))]

@@ -21,6 +21,7 @@ def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     run = json.loads((work / "summary.json").read_text())["dflash"]  # the `draftflow train` summary
     argv = run["argv"]
     assert argv[argv.index("--labels") + 1] == "regenerate" and argv[argv.index("--regen-windows") + 1] == "32"
+    assert argv[argv.index("--anchors") + 1] == "64"  # the shipped drafters' blocks per window
     assert run["steps"] > 0 and "tau" in run["evaluations"][-1][1]
     assert read_artifact(out / "dflash").config.block_size == 16 and (work / "dflash.gguf").exists()
     # --continue-dflash: the next run starts from that drafter (a copy in WORK), on windows of another seed
