@@ -194,3 +194,40 @@ def test_cli_regen_temperature_samples_and_is_checked(tmp_path):
     assert "Traceback" not in bad.stderr
     stray = run_cli(base + ["--regen-temperature", "1", "--out", tmp_path / "f"])
     assert stray.returncode != 0 and "--regen-temperature applies to --labels regenerate only" in stray.stderr
+
+
+def test_pool_cache_is_read_back_only_for_the_same_run(demo, stream, tmp_path):
+    """cache=FILE: the first sampler writes its pool; one made the same way reads that file back (a doctored file
+    shows it is read, not regenerated); another seed, or reuse=False, regenerates and rewrites it."""
+    data = TokenData(stream[:-60], stream[-60:], 1, 0)
+    cache = tmp_path / "ckpt.pt.regen.pt"
+
+    def sampler(seed: int = 0, reuse: bool = True) -> RegeneratedSampler:
+        return RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=6, seed=seed,
+                                  batch_size=3, cache=cache, reuse=reuse)
+
+    first = sampler()
+    assert not first.reused and cache.is_file()
+    again = sampler()
+    assert again.reused and torch.equal(again.pool, first.pool) and torch.equal(again.first_anchor, first.first_anchor)
+    state = torch.load(cache, weights_only=True)
+    torch.save({**state, "pool": torch.zeros_like(state["pool"])}, cache)
+    assert sampler().reused and int(sampler().pool.abs().sum()) == 0  # what the file holds
+    other = sampler(seed=1)
+    assert not other.reused and int(other.pool.abs().sum()) > 0
+    assert torch.equal(torch.load(cache, weights_only=True)["pool"].long(), other.pool)  # rewritten for seed 1
+    assert not sampler(seed=1, reuse=False).reused
+
+
+def test_cli_resume_reads_the_regenerated_pool_back(tmp_path):
+    """`--resume` after a run: the pool kept next to the checkpoint is read back, not generated again."""
+    args = ["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core", "--labels",
+            "regenerate", "--prompt-len", "12-20", "--regen-windows", "8", "--steps", "2", "--seq-len", "48",
+            "--batch-size", "2", "--block-size", "4", "--layers", "1", "--anchors", "4", "--eval-every", "0",
+            "--eval-windows", "1", "--max-data-mb", "0.1", "--device", "cpu", "--resume"]
+    first = run_cli(args)
+    assert first.returncode == 0, first.stderr
+    assert "read back" not in first.stderr and (tmp_path / "d" / "checkpoint.pt.regen.pt").is_file()
+    second = run_cli(args + ["--overwrite"])
+    assert second.returncode == 0, second.stderr
+    assert f"read back from {tmp_path / 'd' / 'checkpoint.pt.regen.pt'}" in second.stderr

@@ -342,6 +342,7 @@ def _prompt_range(text: str | None, seq: int, width: int, anchors: int) -> tuple
 def _regenerated(a, target, sampler, width: int, anchors: int):
     import torch
 
+    from draftflow.tools.train.output import checkpoint_path
     from draftflow.tools.train.regenerate import RegeneratedSampler
 
     lo, hi = _prompt_range(a.prompt_len, a.seq_len, width, anchors)
@@ -351,11 +352,14 @@ def _regenerated(a, target, sampler, width: int, anchors: int):
     t0 = time.perf_counter()
     # batched greedy generation: a GPU takes thousands of rows per forward, a CPU does best with a few hundred
     rows = 4096 if torch.device(a.device).type == "cuda" else 512
+    # kept next to the checkpoint; read back under --resume (the pool a resumed run started on, not paid for twice)
+    cache = checkpoint_path(a).with_name(checkpoint_path(a).name + ".regen.pt")
     regen = RegeneratedSampler(sampler, target, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows,
-                               temperature=temperature)
+                               temperature=temperature, cache=cache, reuse=a.resume)
     how = f"sampled at T = {temperature:g}" if temperature > 0 else "written"
+    done = f"read back from {cache}" if regen.reused else f"in {time.perf_counter() - t0:.1f} s"
     print(f"regenerated {a.regen_windows} windows of {a.seq_len} tokens ({lo}-{hi} of text, the rest {how} by the "
-          f"target) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+          f"target) {done}", file=sys.stderr)
     return regen
 
 

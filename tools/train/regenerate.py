@@ -17,9 +17,18 @@ inference path), from seeded random starts in the training stream; held-out wind
 raw text for the acceptance estimate (it computes the target's continuation itself); the
 held-out *loss* is taken on held-out windows regenerated the same way (`held_out_loss`), so
 it measures the objective being trained.
+
+Generating the pool costs target decode steps (95 s for 65,536 demo windows on an H200; hours
+for a large target), so `cache=FILE` keeps it: written once generated, and (with `reuse`) read back instead of
+regenerating when its key still matches (window length, prompt lengths, window count, seed,
+temperature, a fingerprint of the training stream and of the target's weights). The CLI keeps
+it as `CHECKPOINT.regen.pt` and reads it under `--resume`, so a resumed run trains on the very
+windows it started on without generating them again.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -68,12 +77,29 @@ class RegeneratedSampler:
     from the raw text."""
 
     def __init__(self, base: WindowSampler, target: TargetModel, prompt_len: tuple[int, int], windows: int,
-                 seed: int = 0, batch_size: int = 512, temperature: float = 0.0) -> None:
+                 seed: int = 0, batch_size: int = 512, temperature: float = 0.0, cache: Path | None = None,
+                 reuse: bool = True) -> None:
         seq, (lo, hi) = base.seq_len, prompt_len
         if not 1 <= lo <= hi < seq:
             raise ValueError(f"prompt lengths {lo}..{hi} must lie in [1, {seq}) (the window length)")
         self.base, self.seq_len, self.target, self.prompt_len, self.seed = base, seq, target, (lo, hi), seed
         self.temperature = temperature
+        self.generator = torch.Generator().manual_seed(seed)
+        key = {"seq_len": seq, "prompt_len": [lo, hi], "windows": windows, "seed": seed, "temperature": temperature,
+               "stream": _fingerprint([base.data.train]), "target": _fingerprint(target.parameters())}
+        self.reused = cache is not None and reuse and _load(self, Path(cache), key)
+        if self.reused:
+            return
+        self._generate(windows, batch_size)
+        if cache is not None:
+            from draftflow.tools.train.output import write_file
+
+            state = {"key": key, "pool": self.pool.to(torch.int32), "first_anchor": self.first_anchor}
+            write_file(Path(cache), lambda tmp: torch.save(state, tmp))
+
+    def _generate(self, windows: int, batch_size: int) -> None:
+        seq, (lo, hi), seed, temperature = self.seq_len, self.prompt_len, self.seed, self.temperature
+        base, target = self.base, self.target
         pick = torch.Generator().manual_seed(seed + 29)
         stream = base.data.train
         rows, firsts = [], []
@@ -86,7 +112,6 @@ class RegeneratedSampler:
                                    seed=(seed * 1_000_003 + start) % 2**63))
             firsts.append(torch.full((n,), p - 1, dtype=torch.long))
         self.pool, self.first_anchor = torch.cat(rows), torch.cat(firsts)  # [N, S], [N]
-        self.generator = torch.Generator().manual_seed(seed)
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         # returns: [batch_size, seq_len] tokens, [batch_size] first anchor positions
@@ -109,3 +134,24 @@ class RegeneratedSampler:
                                    seed=(self.seed + 37 + len(rows)) % 2**63)[0])
             firsts.append(p - 1)
         return (torch.stack(rows), torch.tensor(firsts)) if rows else None
+
+
+def _fingerprint(tensors) -> list[float]:
+    """A cheap identity of some tensors: their count and, per tensor, its size and the float64 sum of ~1000 strided
+    elements (a different checkpoint or text stream changes it; equal ones give equal numbers)."""
+    out = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        out += [float(flat.numel()), float(flat[:: max(1, flat.numel() // 1000)].double().sum())]
+    return out
+
+
+def _load(sampler: RegeneratedSampler, cache: Path, key: dict) -> bool:
+    """Fill the sampler's pool from `cache` when the file holds one made under `key`."""
+    if not cache.is_file():
+        return False
+    state = torch.load(cache, map_location="cpu", weights_only=True)
+    if state.get("key") != key:
+        return False
+    sampler.pool, sampler.first_anchor = state["pool"].long(), state["first_anchor"]
+    return True
