@@ -17,16 +17,16 @@ def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     out, work = tmp_path / "demo", tmp_path / "work"
     shutil.copytree(ROOT / "graphs" / "models" / "demo" / "target", out / "target")
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",
-                      "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2"]) == 0
+                      "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--anchors", "16"]) == 0
     run = json.loads((work / "summary.json").read_text())["dflash"]  # the `draftflow train` summary
     argv = run["argv"]
     assert argv[argv.index("--labels") + 1] == "regenerate" and argv[argv.index("--regen-windows") + 1] == "32"
-    assert argv[argv.index("--anchors") + 1] == "64"  # the shipped drafters' blocks per window
+    assert argv[argv.index("--anchors") + 1] == "16"
     assert run["steps"] > 0 and "tau" in run["evaluations"][-1][1]
     assert read_artifact(out / "dflash").config.block_size == 16 and (work / "dflash.gguf").exists()
     # --continue-dflash: the next run starts from that drafter (a copy in WORK), on windows of another seed
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",
-                      "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--continue-dflash", "--seed", "1",
+                      "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--continue-dflash", "--seed", "1", "--anchors", "16",
                       "--dflash-lr", "1e-3"]) == 0
     argv = json.loads((work / "summary.json").read_text())["dflash"]["argv"]
     assert argv[argv.index("--init-from") + 1] == str(work / "dflash-start") and "--layers" not in argv

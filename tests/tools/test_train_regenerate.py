@@ -217,6 +217,10 @@ def test_pool_cache_is_read_back_only_for_the_same_run(demo, stream, tmp_path):
     assert not other.reused and int(other.pool.abs().sum()) > 0
     assert torch.equal(torch.load(cache, weights_only=True)["pool"].long(), other.pool)  # rewritten for seed 1
     assert not sampler(seed=1, reuse=False).reused
+    cache.write_bytes(cache.read_bytes()[:100])  # truncated: generated again, and said why
+    truncated = sampler(seed=1)
+    assert not truncated.reused and "is unreadable" in truncated.cache_note and torch.equal(truncated.pool, other.pool)
+    assert sampler(seed=1).reused  # rewritten whole
 
 
 def test_cli_resume_reads_the_regenerated_pool_back(tmp_path):

@@ -357,7 +357,8 @@ def _regenerated(a, target, sampler, width: int, anchors: int):
     regen = RegeneratedSampler(sampler, target, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows,
                                temperature=temperature, cache=cache, reuse=a.resume)
     how = f"sampled at T = {temperature:g}" if temperature > 0 else "written"
-    done = f"read back from {cache}" if regen.reused else f"in {time.perf_counter() - t0:.1f} s"
+    done = f"read back from {cache}" if regen.reused else f"in {time.perf_counter() - t0:.1f} s" + (
+        f" (none read back: {regen.cache_note})" if regen.cache_note else "")
     print(f"regenerated {a.regen_windows} windows of {a.seq_len} tokens ({lo}-{hi} of text, the rest {how} by the "
           f"target) {done}", file=sys.stderr)
     return regen

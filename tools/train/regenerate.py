@@ -87,7 +87,8 @@ class RegeneratedSampler:
         self.generator = torch.Generator().manual_seed(seed)
         key = {"seq_len": seq, "prompt_len": [lo, hi], "windows": windows, "seed": seed, "temperature": temperature,
                "stream": _fingerprint([base.data.train]), "target": _fingerprint(target.parameters())}
-        self.reused = cache is not None and reuse and _load(self, Path(cache), key)
+        self.cache_note = _load(self, Path(cache), key) if cache is not None and reuse else None
+        self.reused = cache is not None and reuse and self.cache_note is None
         if self.reused:
             return
         self._generate(windows, batch_size)
@@ -146,12 +147,16 @@ def _fingerprint(tensors) -> list[float]:
     return out
 
 
-def _load(sampler: RegeneratedSampler, cache: Path, key: dict) -> bool:
-    """Fill the sampler's pool from `cache` when the file holds one made under `key`."""
+def _load(sampler: RegeneratedSampler, cache: Path, key: dict) -> str | None:
+    """Fill the sampler's pool from `cache` when the file holds one made under `key` (None); else why not ("" when
+    there is no file)."""
     if not cache.is_file():
-        return False
-    state = torch.load(cache, map_location="cpu", weights_only=True)
-    if state.get("key") != key:
-        return False
-    sampler.pool, sampler.first_anchor = state["pool"].long(), state["first_anchor"]
-    return True
+        return ""  # nothing kept yet: nothing to say
+    try:
+        state = torch.load(cache, map_location="cpu", weights_only=True)
+        if state.get("key") != key:
+            return f"{cache} was made another way"
+        sampler.pool, sampler.first_anchor = state["pool"].long(), state["first_anchor"]
+    except Exception as exc:  # noqa: BLE001  (a truncated or foreign file: generate again and rewrite it)
+        return f"{cache} is unreadable ({type(exc).__name__})"
+    return None
