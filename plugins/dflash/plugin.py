@@ -215,12 +215,12 @@ class DFlash(RowProposals, Node):
         return hidden[:n, :k], logits[:n, :k], widths
 
     def _draft_slots(self, n: int, todo: list, batch, widths: list[int]):
-        """One forward over slots [0, n): row b ingests its rows and drafts a block of K+1 rows, seeing only its
-        own first widths[b]+1 rows; pad rows write past their slots' context only. Commits the context lengths
+        """One forward over slots [0, n): row b ingests its rows and drafts the full trained block (its first
+        widths[b] rows are offered); pad rows write past their slots' context only. Commits the context lengths
         of the rows in `todo`."""
-        # returns hidden [>=n, K, H], logits [>=n, K, V]
+        # returns hidden [>=n, B-1, H], logits [>=n, B-1, V]
         cfg = self.config
-        width = min(cfg.block_size - 1, batch.num_draft) + 1  # >= 2: a batch that drafts nothing never gets here
+        width = cfg.block_size  # the trained block, whatever K: K only picks how many of its rows are offered
         entries = {i: (rows, start) for i, rows, start in todo}
         runner = self._runner()
         size = runner.batch_size(n) if runner is not None else n
@@ -232,7 +232,7 @@ class DFlash(RowProposals, Node):
             rows_in.append(rows if num_new else None)
             starts.append(start)
             anchors.append(cfg.mask_token_id if req is None else req.anchor)
-            lasts.append(start + num_new + (widths[b] if req is not None else width - 1))
+            lasts.append(start + num_new + width - 1)
         if runner is not None:
             hidden, logits = runner.propose(rows_in, starts, anchors, lasts, width)
         else:
@@ -267,15 +267,17 @@ class DFlash(RowProposals, Node):
         # returns hidden: [1, k, H] (final-normed), logits: [1, k, V] float32; None when k = 0
         cfg, cache = self.config, self.caches[req.slot]
         runner = self._runner()
-        rows, start = self._catch_up(req, features, k, k + 1 if runner is not None else CONTEXT_CHUNK)
+        width = cfg.block_size  # the trained block, whatever K: K only picks how many of its rows are offered
+        rows, start = self._catch_up(req, features, k, width if runner is not None else CONTEXT_CHUNK)
         if k == 0:
             return None
         if runner is not None and rows.shape[1] > 0:
-            return runner(rows, start, req.anchor, k + 1)  # [1, K, H], [1, K, V]
-        block = torch.full((1, k + 1), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, K+1]
+            hidden, logits = runner(rows, start, req.anchor, width)  # [1, B-1, H], [1, B-1, V]
+            return hidden[:, :k], logits[:, :k]
+        block = torch.full((1, width), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, B]
         block[0, 0] = req.anchor
         # The block's K/V sit past cache.length: the next cycle's crop drops them.
-        hidden = self.model.draft(rows, start, self.model.embed_block(block, self.embed), cache)[:, 1:]  # [1, K, H]
+        hidden = self.model.draft(rows, start, self.model.embed_block(block, self.embed), cache)[:, 1:k + 1]  # [1, K, H]
         return hidden, draft_logits(hidden, self.head, cfg)
 
     def _no_rows(self) -> torch.Tensor:
@@ -318,9 +320,9 @@ class DFlash(RowProposals, Node):
 
 
 def slot_width(cfg, num_draft: int) -> int:
-    """Rows a proposal writes past a slot's context: the widest block (K+1), also the most rows a batched
-    proposal ingests per slot; the draft cache's slack cells."""
-    return min(max(num_draft, 0), cfg.block_size - 1) + 1
+    """Rows a proposal writes past a slot's context: the trained block (every proposal drafts all of it, K or
+    not), also the most rows a batched proposal ingests per slot; the draft cache's slack cells."""
+    return cfg.block_size if num_draft > 0 else 1
 
 
 def tap_layer_check(kind: str, layer_ids):
@@ -370,9 +372,10 @@ def draftflow_add_checks(registry):
 def shortcut_hooks(kind: str, backbone):
     """The two compose hooks of a block drafter plugin `kind`; ``backbone(path)`` reads its DFlashConfig.
 
-    A shortcut graph's target taps the layers the drafter was trained on, and the graph drafts
-    the trained block: a shorter block is attended non-causally, so its rows differ from the
-    trained ones (and accept less).
+    A shortcut graph's target taps the layers the drafter was trained on, and the graph may
+    offer every row of the trained block (K = block_size - 1). A smaller K (`--spec K`, the
+    adaptive_k policy) still drafts the whole block, which is attended non-causally, and offers
+    its first K rows, so the first K drafts are those of the trained shape.
     """
 
     def draftflow_target_params(plugin, params, target):

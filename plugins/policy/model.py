@@ -32,9 +32,10 @@ def bucket(batch: int) -> int:
 class Acceptance:
     """Conditional acceptance of draft positions 1..K, per request and over all requests, kept per K.
 
-    Kept per K because a block drafter's drafts depend on the block it drafts (DFlash attends
-    its block non-causally): the first 3 drafts of an 8-row block are accepted more often than
-    those of a 4-row block. A K not tried yet borrows the rates pooled over every K.
+    Kept per K because a drafter's first drafts may depend on how many it drafts (a block
+    drafter that shrank its non-causal block to K + 1 rows would accept less at small K; the
+    DFlash nodes always draft their whole block and offer its first K rows, so for them the
+    rates agree). A K not tried yet borrows the rates pooled over every K.
     """
 
     def __init__(self, max_draft: int):
