@@ -138,8 +138,8 @@ class RegeneratedSampler:
 
 
 def _fingerprint(tensors) -> list[float]:
-    """A cheap identity of some tensors: their count and, per tensor, its size and the float64 sum of ~1000 strided
-    elements (a different checkpoint or text stream changes it; equal ones give equal numbers)."""
+    """A cheap identity of some tensors: per tensor, its size and the float64 sum of ~1000 strided elements (a
+    different checkpoint or text stream changes it; equal ones give equal numbers)."""
     out = []
     for t in tensors:
         flat = t.detach().reshape(-1)
