@@ -220,7 +220,7 @@ class DFlash(RowProposals, Node):
         of the rows in `todo`."""
         # returns hidden [>=n, B-1, H], logits [>=n, B-1, V]
         cfg = self.config
-        width = cfg.block_size  # the trained block, whatever K: K only picks how many of its rows are offered
+        width = slot_width(cfg, batch.num_draft)  # the whole trained block: K only picks how many rows are offered
         entries = {i: (rows, start) for i, rows, start in todo}
         runner = self._runner()
         size = runner.batch_size(n) if runner is not None else n
@@ -267,7 +267,7 @@ class DFlash(RowProposals, Node):
         # returns hidden: [1, k, H] (final-normed), logits: [1, k, V] float32; None when k = 0
         cfg, cache = self.config, self.caches[req.slot]
         runner = self._runner()
-        width = cfg.block_size  # the trained block, whatever K: K only picks how many of its rows are offered
+        width = slot_width(cfg, k)  # the whole trained block: K only picks how many rows are offered
         rows, start = self._catch_up(req, features, k, width if runner is not None else CONTEXT_CHUNK)
         if k == 0:
             return None

@@ -55,3 +55,12 @@ def test_a_drafter_argument_train_refuses_is_one_error_line(tmp_path, capsys):
                       "--eval-windows", "-1"]) == 1
     assert capsys.readouterr().err == "error: --eval-windows -1: must be at least 0 (held-out windows)\n"
     assert list(out.iterdir()) == []
+
+
+def test_anchors_out_of_range_is_one_error_line(tmp_path, capsys):
+    """--anchors 0 (make_demo's own flag, passed on to `draftflow train`): one line, exit 1, OUT untouched."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(tmp_path / "work"), "--anchors", "0"]) == 1
+    assert capsys.readouterr().err == "error: --anchors 0: must be at least 1 (blocks per window)\n"
+    assert list(out.iterdir()) == []

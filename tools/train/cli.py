@@ -353,7 +353,8 @@ def _regenerated(a, target, sampler, width: int, anchors: int):
     # batched greedy generation: a GPU takes thousands of rows per forward, a CPU does best with a few hundred
     rows = 4096 if torch.device(a.device).type == "cuda" else 512
     # kept next to the checkpoint; read back under --resume (the pool a resumed run started on, not paid for twice)
-    cache = checkpoint_path(a).with_name(checkpoint_path(a).name + ".regen.pt")
+    checkpoint = checkpoint_path(a)
+    cache = checkpoint.with_name(checkpoint.name + ".regen.pt")
     regen = RegeneratedSampler(sampler, target, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows,
                                temperature=temperature, cache=cache, reuse=a.resume)
     how = f"sampled at T = {temperature:g}" if temperature > 0 else "written"

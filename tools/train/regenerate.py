@@ -87,8 +87,8 @@ class RegeneratedSampler:
         self.generator = torch.Generator().manual_seed(seed)
         key = {"seq_len": seq, "prompt_len": [lo, hi], "windows": windows, "seed": seed, "temperature": temperature,
                "stream": _fingerprint([base.data.train]), "target": _fingerprint(target.parameters())}
-        self.cache_note = _load(self, Path(cache), key) if cache is not None and reuse else None
-        self.reused = cache is not None and reuse and self.cache_note is None
+        note = _load(self, Path(cache), key) if cache is not None and reuse else ""
+        self.reused, self.cache_note = note is None, note or ""  # cache_note: why a kept pool was not read back
         if self.reused:
             return
         self._generate(windows, batch_size)
