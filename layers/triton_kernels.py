@@ -195,13 +195,14 @@ def _attn_split_kernel(
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per (b, kvh, key block)
+    # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per
+    # (b, kvh, key block, block of BLOCK_R rows)
     pdl_enter(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KVH
     kvh = bh % KVH
-    rows = tl.arange(0, BLOCK_R)
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, D)
     keys = split * BLOCK_N + tl.arange(0, BLOCK_N)
     start = tl.load(start_ptr + b * stride_start)  # this row's window start (stride 0: one for all rows)
@@ -261,6 +262,7 @@ def _attn_combine_kernel(
 # it took the Qwen3-8B decode step from 4.700 to 4.626 ms but made 16-token verify windows slower, 4.921 -> 5.030 ms
 # (8B) and 5.19 -> 5.70 ms (30B-A3B MoE), even where a window kept the combine kernel; not kept.)
 ATTN_BLOCK_N = 64  # keys per program: a 256-key bucket gives 4 programs per KV head, 4096 keys 64
+FP32_ROWS = 16  # float32 windows: query rows per program (tl.dot's smallest M)
 
 
 def decode_attention(
@@ -281,11 +283,14 @@ def decode_attention(
     m = torch.empty(b * kvh, nsplit, rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(b * kvh, nsplit, rows, d, dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(b * kvh, nsplit)](
+    fp32 = q.dtype == torch.float32
+    # float32 dots run on the CUDA cores, so a window's rows are split over programs (FP32_ROWS each) to use more
+    # multiprocessors; half-precision dots run on tensor cores and take every row at once, reading K/V once.
+    block_r = FP32_ROWS if fp32 else max(16, triton.next_power_of_2(rows))
+    _attn_split_kernel[(b * kvh, nsplit, triton.cdiv(rows, block_r))](
         q, k_cache, v_cache, start, m, l, acc,
         k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit,
-        KVH=kvh, D=d, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_N=ATTN_BLOCK_N,
-        IS_FP32=q.dtype == torch.float32, num_warps=4, **pdl(q.device),
+        KVH=kvh, D=d, BLOCK_R=block_r, BLOCK_N=ATTN_BLOCK_N, IS_FP32=fp32, num_warps=4, **pdl(q.device),
     )
     out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(b * kvh, rows)](

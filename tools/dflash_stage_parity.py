@@ -177,10 +177,11 @@ def torch_pass(model, cfg, features: torch.Tensor, block: torch.Tensor, head: to
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         nxt = ins[f"layers.{i + 1}.input_layernorm"][0] if i + 1 < cfg.num_layers else ins["norm"][0]
-        k_c, k_b = outs[p + "self_attn.k_proj"]  # the context rows, then the block rows
-        v_c, v_b = outs[p + "self_attn.v_proj"]
-        kn_c, kn_b = outs[p + "self_attn.k_norm"]
-        rk_c, rk_b, rq = rotated[3 * i:3 * i + 3]  # keys_values(context), keys_values(block), folded_queries
+        # The context and block rows share one k/v projection (context rows first), then the queries are rotated.
+        k_c, k_b = _split(outs[p + "self_attn.k_proj"][0], c)
+        v_c, v_b = _split(outs[p + "self_attn.v_proj"][0], c)
+        kn_c, kn_b = _split(outs[p + "self_attn.k_norm"][0], c)
+        (rk_c, rk_b), rq = _split(rotated[2 * i], c), rotated[2 * i + 1]  # keys_values(context + block), folded_queries
         stages = {"input": ins[p + "input_layernorm"][0], "input_norm": outs[p + "input_layernorm"][0],
                   "q_proj": outs[p + "self_attn.q_proj"][0], "k_proj (context)": k_c, "v_proj (context)": v_c,
                   "k_proj (block)": k_b, "v_proj (block)": v_b, "q_norm": outs[p + "self_attn.q_norm"][0], "k_norm (context)": kn_c,
@@ -193,6 +194,11 @@ def torch_pass(model, cfg, features: torch.Tensor, block: torch.Tensor, head: to
     # Batch of one: rows first, as numpy_pass.
     return {key: (v[0] if v.dim() > 1 and v.shape[0] == 1 and key[1] != "block input" else v).double().numpy()
             for key, v in out.items()}
+
+
+def _split(rows: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A recorded [1, C+W, ...] output of the shared context + block projection: (context rows, block rows)."""
+    return rows[:, :c], rows[:, c:]
 
 
 # --- the comparison ------------------------------------------------------------------------

@@ -127,28 +127,29 @@ class DFlashModel(nn.Module):
         # features: [B, C, n_taps*H]; block: [B, W', H] (target embeddings of [anchor, MASK...], scaled)
         # kv: [L, 2, B, capacity, KVH, D] or None; returns [B, W', H] or None
         ctx = self.hidden_norm(self.fc(features))  # [B, C, H]; shared by all layers, never input-normed
-        cos_c, sin_c = self._rope(window.context_pos, ctx.dtype)
-        x = block
-        if x is not None:
-            cos_b, sin_b = self._rope(window.block_pos, x.dtype)
+        x, c = block, ctx.shape[1]
+        # With a block, the context and block rows share each layer's k/v projections: one [C+W', H] product
+        # each instead of two small ones (on CUDA, fp32 [16, H] x [H, KVH*D] products hit a slow cuBLAS kernel).
+        positions = window.context_pos if x is None else _joined(window.context_pos, window.block_pos)
+        cos, sin = self._rope(positions, ctx.dtype)  # [T, 1, D] or [B, T, 1, D]: the context rows, then the block's
+        cos_b, sin_b = cos[..., c:, :, :], sin[..., c:, :, :]
         ctx_cells = blk_cells = None  # per-row positions ([B, T]): flat cell indices, computed once
         if kv is not None and window.context_pos.dim() == 2:
             ctx_cells, blk_cells = _flat_cells(window.context_pos, kv), _flat_cells(window.block_pos, kv)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)  # [B, C, KVH, D]
-            if kv is not None:
+            if x is None:  # ingest only
+                k_ctx, v_ctx = attn.keys_values(ctx, cos, sin)  # [B, C, KVH, D]
                 _store(kv[i, 0], window.context_pos, ctx_cells, k_ctx)
                 _store(kv[i, 1], window.context_pos, ctx_cells, v_ctx)
-            if x is None:
                 continue
             h, attn_state = _prepare(layer.attention_conv, layer.input_layernorm(x), window.width)
-            k_blk, v_blk = attn.keys_values(h, cos_b, sin_b)  # [B, W', KVH, D]
-            if kv is None:
-                keys, values = torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1)  # [B, C+W', KVH, D]
-            else:
-                _store(kv[i, 0], window.block_pos, blk_cells, k_blk)
-                _store(kv[i, 1], window.block_pos, blk_cells, v_blk)
+            keys, values = attn.keys_values(torch.cat([ctx, h], 1), cos, sin)  # [B, C+W', KVH, D]
+            if kv is not None:  # the context's cells first: the block overwrites any stale context row after it
+                _store(kv[i, 0], window.context_pos, ctx_cells, keys[:, :c])
+                _store(kv[i, 1], window.context_pos, ctx_cells, values[:, :c])
+                _store(kv[i, 0], window.block_pos, blk_cells, keys[:, c:])
+                _store(kv[i, 1], window.block_pos, blk_cells, values[:, c:])
                 keys, values = kv[i, 0, :, :window.keys], kv[i, 1, :, :window.keys]  # [B, S, KVH, D]
             out = attend_prefix(attn.folded_queries(h, cos_b, sin_b), keys, values, window.masks[i], h.shape[1])
             x = x + _finish(layer.attention_conv, attn.o_proj(out), attn_state)
@@ -280,6 +281,16 @@ def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype | None) -> 
     if dtype is not None:
         visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     return torch.cat([visible] * groups, dim=-2) if groups > 1 else visible
+
+
+def _joined(context_pos: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
+    """Context positions, then block positions, per row when either is (training: shared context, per-row blocks)."""
+    # context_pos: [C] or [B, C]; block_pos: [W'] or [B, W']; returns [C+W'] or [B, C+W']
+    if context_pos.dim() < block_pos.dim():
+        context_pos = context_pos.expand(block_pos.shape[0], -1)
+    elif block_pos.dim() < context_pos.dim():
+        block_pos = block_pos.expand(context_pos.shape[0], -1)
+    return torch.cat([context_pos, block_pos], -1)
 
 
 def _flat_cells(positions: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

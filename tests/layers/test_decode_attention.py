@@ -35,9 +35,11 @@ def _reference(q, k_cache, v_cache, starts, w):
     return out.reshape(b, w, kvh * g * d)
 
 
-@pytest.mark.parametrize("starts,bucket,w", [([100, 37], 192, 3), ([5, 5], 64, 3), ([500, 37], 576, 3), ([100, 37], 192, 9)])
+@pytest.mark.parametrize("starts,bucket,w", [([100, 37], 192, 3), ([5, 5], 64, 3), ([500, 37], 576, 3), ([100, 37], 192, 9),
+                                                    ([300, 41], 384, 16)])
 def test_decode_attention_merges_its_key_blocks(starts, bucket, w):
-    """Per-row window starts, several key blocks (some past a row's window) or one, windows of 3 and 9 tokens:
+    """Per-row window starts, several key blocks (some past a row's window) or one, windows of 3, 9 and 16 tokens
+    (float32 windows past 16 rows split their rows over programs):
     softmax attention over each row's visible prefix after the combine kernel's merge, float32 to 1e-5."""
     gen = torch.Generator().manual_seed(bucket)
     b, kvh, g, d, capacity = 2, 2, 2, 16, 640
