@@ -75,3 +75,19 @@ def test_jsonl_sink_and_summarize(registry, tmp_path):
 
     plot(summary, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_unconfigured_structlog_prints_nothing_but_sinks_get_every_event(registry, capsys, tmp_path):
+    """A program that drives the executor without configuring structlog: no log line per cycle on stdout or
+    stderr (structlog's unconfigured default would print each one), while a trace sink still gets every event."""
+    structlog.reset_defaults()
+    path = tmp_path / "t.jsonl"
+    sink = JsonlSink(path)
+    registry.pm.register(sink)
+    plan = build_plan(load_graph(FIXTURES / "good_toy.yaml", []), registry)
+    result = Executor(plan, hook=registry.pm.hook).generate([1, 2, 3], SamplingParams(max_new_tokens=12))
+    sink.close()
+    out, err = capsys.readouterr()
+    assert "draft_cycle" not in out + err and "request_done" not in out + err
+    events = [json.loads(line)["event"] for line in path.read_text().splitlines()]
+    assert events.count("draft_cycle") == result.stats["cycles"] and events.count("request_done") == 1
