@@ -238,3 +238,14 @@ def weight_bytes(cfg: DFlashConfig, dtype: torch.dtype) -> int:
 def kv_shape(cfg: DFlashConfig, capacity, batch=1) -> tuple:
     """Shape of the drafter's context K/V buffer (the target KVCache layout; one row per request slot)."""
     return (cfg.num_layers, 2, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+
+
+def drafter_dtype(params, graph_dtype: str) -> str:
+    """The dtype a DFlash/DFlash2 node computes in: its `dtype` param, or the graph's."""
+    chosen = params.get("dtype", "graph")
+    return graph_dtype if chosen == "graph" else chosen
+
+
+def head_copy_bytes(vocab: int, hidden: int, dtype: str, graph_dtype: str) -> int:
+    """Bytes of the drafter's own copies of the target's embedding and LM head (none in the graph's dtype)."""
+    return 0 if dtype == graph_dtype else 2 * vocab * hidden * getattr(torch, dtype).itemsize

@@ -43,7 +43,7 @@ from draftflow.plugin import (
     kv_dim,
     wrong_target_check,
 )
-from draftflow.plugins.dflash.config import kv_shape
+from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape
 from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
@@ -52,7 +52,7 @@ from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFla
 from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
-          DFLASH_PARAMS[1])  # cuda_graphs
+          *DFLASH_PARAMS[1:])  # cuda_graphs, dtype
 
 
 @attrs.define
@@ -64,7 +64,8 @@ class DFlash2Candidates(Candidates):
 
 def manifest(params, env) -> Manifest:
     cfg = read_config(params["path"])
-    base, dtype = cfg.base, getattr(torch, env.dtype)
+    own = drafter_dtype(params, env.dtype)
+    base, dtype = cfg.base, getattr(torch, own)
     h, taps, b = base.hidden_size, base.num_taps, base.block_size
     rows = env.max_batch * b  # every slot's block rows in one pass
     scratch = (CONTEXT_CHUNK * (taps * h + 4 * h) + rows * (6 * h + 2 * base.intermediate_size)) * dtype.itemsize \
@@ -75,10 +76,10 @@ def manifest(params, env) -> Manifest:
                      doc=f"target taps of layers {list(base.target_layer_ids)} for the newly committed tokens"),),
         outputs=(Port("candidates", "candidates",
                       doc=f"top-{cfg.selector_top_k} ids and unary logits per draft row, with hidden states"),),
-        owns=(BufferSpec("dflash2_kv", kv_shape(base, kv_dim(slot_width(base, env.num_draft)), BATCH), env.dtype,
+        owns=(BufferSpec("dflash2_kv", kv_shape(base, kv_dim(slot_width(base, env.num_draft)), BATCH), own,
                          doc="context K/V per draft layer and request slot, addressed by position; "
                              "slack cells past the context for a block"),),
-        vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
+        vram=Vram(weights=weight_bytes(cfg, dtype) + head_copy_bytes(cfg.vocab_size, h, own, env.dtype), scratch=scratch),
         reads=(EMBED_BUFFER, HEAD_BUFFER),
         requires={"target.features", TARGET_HANDLE},
         incompatible=(Incompatibility("kv.grow", KV_GROW_REASON.replace("DFlash", "DFlash2")),),
@@ -93,7 +94,8 @@ class DFlash2(DFlash):
 
     def __init__(self, ctx):
         Node.__init__(self, ctx)
-        self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
+        self.dtype = getattr(torch, drafter_dtype(ctx.params, str(ctx.dtype).removeprefix("torch.")))
+        self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, self.dtype)
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)
         self._init_slots(ctx.buffers["dflash2_kv"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]

@@ -50,7 +50,7 @@ from draftflow.plugin import (
 )
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.processors import LogitProcessor
-from draftflow.plugins.dflash.config import kv_shape, weight_bytes
+from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape, weight_bytes
 from draftflow.plugins.dflash.graphs import DraftRunner
 from draftflow.plugins.dflash.loader import load_drafter, read_config
 from draftflow.plugins.dflash.model import draft_logits
@@ -60,7 +60,13 @@ PARAMS = (
     ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),
     ParamSpec("cuda_graphs", "bool", True, "on CUDA, replay each full-width proposal (ingest + block + LM head) as a "
               "CUDA graph per KV bucket, captured on first use; false: the eager forward"),
+    ParamSpec("dtype", "str", "graph", "the drafter's compute dtype: `graph` (the graph's) or its own; e.g. a bfloat16 "
+              "drafter of a float32 target drafts on half-precision matrix units (GPU tensor cores, CPUs with "
+              "AVX512-BF16/AMX) with a bfloat16 copy of the target's embedding and head; the target, and so the "
+              "output, are unchanged", choices=("graph", "float32", "bfloat16", "float16")),
 )
+
+
 # Context rows projected per forward while ingesting a long prompt's features.
 CONTEXT_CHUNK = 512
 KV_GROW_REASON = ("DFlash keeps its context K/V and block shapes static and sized to the target's preallocated "
@@ -69,7 +75,8 @@ KV_GROW_REASON = ("DFlash keeps its context K/V and block shapes static and size
 
 def manifest(params, env) -> Manifest:
     cfg = read_config(params["path"])
-    dtype = getattr(torch, env.dtype)
+    own = drafter_dtype(params, env.dtype)
+    dtype = getattr(torch, own)
     h, taps = cfg.hidden_size, cfg.num_taps
     # Context ingestion (fc input, projections) bounded by CONTEXT_CHUNK; block rows need logits over the vocab.
     vocab = cfg.vocab_size or 0
@@ -81,10 +88,10 @@ def manifest(params, env) -> Manifest:
         inputs=(Port("features", "features", carried=True,
                      doc=f"target taps of layers {list(cfg.target_layer_ids)} for the newly committed tokens"),),
         outputs=(Port("proposal", "proposal"),),
-        owns=(BufferSpec("dflash_kv", kv_shape(cfg, kv_dim(slot_width(cfg, env.num_draft)), BATCH), env.dtype,
+        owns=(BufferSpec("dflash_kv", kv_shape(cfg, kv_dim(slot_width(cfg, env.num_draft)), BATCH), own,
                          doc="context K/V per draft layer and request slot, addressed by position; "
                              "slack cells past the context for a block"),),
-        vram=Vram(weights=weight_bytes(cfg, dtype), scratch=scratch),
+        vram=Vram(weights=weight_bytes(cfg, dtype) + head_copy_bytes(vocab, h, own, env.dtype), scratch=scratch),
         reads=(EMBED_BUFFER, HEAD_BUFFER),
         requires={"target.features", TARGET_HANDLE},
         incompatible=(Incompatibility("kv.grow", KV_GROW_REASON),),
@@ -104,7 +111,8 @@ class DFlash(RowProposals, Node):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.model, self.config = load_drafter(ctx.params["path"], ctx.device, ctx.dtype)
+        self.dtype = getattr(torch, drafter_dtype(ctx.params, str(ctx.dtype).removeprefix("torch.")))
+        self.model, self.config = load_drafter(ctx.params["path"], ctx.device, self.dtype)
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
         self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused
@@ -132,7 +140,9 @@ class DFlash(RowProposals, Node):
             raise ModelFormatError(f"node '{self.name}' ({self.KIND}): no target handle with an embedding and LM head; "
                                    "add a `target` node to the graph")
         cfg = self.config
-        self.embed, self.head = self.ctx.shared[EMBED_BUFFER], self.ctx.shared[HEAD_BUFFER]
+        embed, head = self.ctx.shared[EMBED_BUFFER], self.ctx.shared[HEAD_BUFFER]
+        self.embed = embed.to(self.dtype)  # the target's own tensors, or copies in the drafter's dtype
+        self.head = self.embed if head is embed else head.to(self.dtype)
         if self.embed.shape[1] != cfg.hidden_size:
             raise ModelFormatError(f"node '{self.name}' ({self.KIND}): target hidden size {self.embed.shape[1]} differs from "
                                    f"the drafter's {cfg.hidden_size}; use the drafter trained for this target")
@@ -162,7 +172,7 @@ class DFlash(RowProposals, Node):
         """Append committed feature rows (no block) to one slot at `start`, in chunks of CONTEXT_CHUNK."""
         # rows: [1, C, n_taps * H]
         for i in range(0, rows.shape[1], CONTEXT_CHUNK):
-            self.model.draft(rows[:, i:i + CONTEXT_CHUNK], start + i, None, cache)
+            self.model.draft(rows[:, i:i + CONTEXT_CHUNK].to(self.dtype), start + i, None, cache)
 
     def _catch_up(self, req, features, k: int, limit: int) -> tuple[torch.Tensor, int]:
         """Ingest what of the request's new feature rows cannot ride with its block; return the rest ([1, C, n*H],
@@ -245,7 +255,7 @@ class DFlash(RowProposals, Node):
         """`draft_slots` on exact shapes: context rows padded to the longest row's, keys up to the last cell written."""
         cfg, device, n = self.config, self.ctx.device, len(rows_in)
         c = max(0 if r is None else r.shape[1] for r in rows_in)
-        features = torch.zeros(n, c, cfg.num_taps * cfg.hidden_size, dtype=self.ctx.dtype, device=device)  # [B, C, n*H]
+        features = torch.zeros(n, c, cfg.num_taps * cfg.hidden_size, dtype=self.dtype, device=device)  # [B, C, n*H]
         counts = []
         for b, rows in enumerate(rows_in):
             counts.append(0 if rows is None else rows.shape[1])
@@ -277,7 +287,7 @@ class DFlash(RowProposals, Node):
         block = torch.full((1, width), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, B]
         block[0, 0] = req.anchor
         # The block's K/V sit past cache.length: the next cycle's crop drops them.
-        hidden = self.model.draft(rows, start, self.model.embed_block(block, self.embed), cache)[:, 1:k + 1]  # [1, K, H]
+        hidden = self.model.draft(rows.to(self.dtype), start, self.model.embed_block(block, self.embed), cache)[:, 1:k + 1]
         return hidden, draft_logits(hidden, self.head, cfg)
 
     def _no_rows(self) -> torch.Tensor:
