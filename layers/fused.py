@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers import cpu_linear
 from draftflow.layers.rope import rotate
 
 
@@ -86,7 +87,7 @@ class Kernels:
         self.compiled, self.elementwise = compiled, elementwise
         self.rms, self.add_rms, self.qk_rope, self.silu_mul = map(wrap, (rms, add_rms, qk_rope, silu_mul))
         self.prologue = self.split_attention = None
-        self.project, self.matmul = _project, F.linear
+        self.project, self.matmul = _project, cpu_linear.linear  # F.linear but where a CPU product is faster on oneDNN
         if prologue or split_attention or elementwise:
             from draftflow.layers import triton_kernels
 
@@ -130,7 +131,7 @@ class Kernels:
 
 def _project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # A projection (o_proj, down_proj): the module itself (the Triton elementwise kernels may take one-row products)
-    return linear(x)
+    return cpu_linear.linear(x, linear.weight, linear.bias) if type(linear) is nn.Linear else linear(x)
 
 
 PLAIN = Kernels()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers import cpu_linear
 from draftflow.layers.attention import attend_prefix
 from draftflow.layers.decoder import MLP
 from draftflow.layers.kv_cache import KVCache
@@ -330,7 +331,7 @@ def draft_logits(hidden: torch.Tensor, head_weight: torch.Tensor, cfg: DFlashCon
     # hidden: [B, K, H]; head_weight: [V, H]; returns [B, K, V]
     # As one [B*K, H] matmul: a strided 3-D input (the block's rows 1..K of several slots) would go to a
     # batched matmul over the head expanded per slot, reading the whole head once per slot.
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), head_weight).view(*hidden.shape[:-1], -1).float()
+    logits = cpu_linear.linear(hidden.reshape(-1, hidden.shape[-1]), head_weight).view(*hidden.shape[:-1], -1).float()
     if cfg.output_multiplier != 1.0:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping:

@@ -12,9 +12,9 @@ in place of attention on some layers; those layers read and write a `LinearState
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers import cpu_linear
 from draftflow.layers.attention import Window
 from draftflow.layers.config import TargetConfig
 from draftflow.layers.decoder import DecoderLayer
@@ -187,5 +187,5 @@ class TargetModel(nn.Module):
             rows = h.gather(1, logit_rows[:, :, None].expand(-1, -1, h.shape[-1]))
         if self.tp.size > 1:
             return vocab_logits(rows, self.head_weight(), self.tp), tapped  # [B, R, V], gathered
-        logits = F.linear(rows, self.head_weight()).float()  # [B, R, V]
+        logits = cpu_linear.linear(rows, self.head_weight()).float()  # [B, R, V]
         return logits, tapped

@@ -46,7 +46,7 @@ from draftflow.plugin import (
 from draftflow.layers.config import TargetConfig, weight_bytes
 from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
-from draftflow.layers import tensor_parallel
+from draftflow.layers import cpu_linear, tensor_parallel
 from draftflow.layers.quant_linear import keeps_quantized
 
 # Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
@@ -258,7 +258,7 @@ class Target(Node):
         head = self.model.head_weight()
         return TargetHandle(target_info(self.ctx.params), tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                             dtype=self.ctx.dtype, device=torch.device(self.ctx.device), embed=self.model.embed_tokens,
-                            lm_head=lambda hidden: F.linear(hidden, head).float(), embed_weight=self.model.embed_tokens.weight,
+                            lm_head=lambda hidden: cpu_linear.linear(hidden, head).float(), embed_weight=self.model.embed_tokens.weight,
                             head_weight=head, features=self.features, config=self.config,
                             hf_tokenizer=self.tokenizer.tok if self.tokenizer is not None else None)
 
