@@ -82,21 +82,22 @@ class RequestStats:
 
 
 def emit_cycle(hook, event: dict) -> None:
-    if structlog.is_configured():  # see _LIBRARY_QUIET
-        log.info("draft_cycle", **event)
+    _log("draft_cycle", event)
     hook.draftflow_cycle_event(event=event)
 
 
 def emit_request(hook, event: dict) -> None:
-    if structlog.is_configured():
-        log.info("request_done", **event)
+    _log("request_done", event)
     hook.draftflow_request_event(event=event)
 
 
-# _LIBRARY_QUIET: the cycle and request events reach structlog only once someone configured it (the CLI and the
-# server do, `configure_logging`; so does an application that uses structlog). Unconfigured, structlog would print
-# every cycle to stdout: a program that drives a Session gets no output it did not ask for, and no formatting cost
-# per cycle. Trace sinks (hooks, `--trace`) get every event either way.
+def _log(name: str, event: dict) -> None:
+    """An event to structlog, only once someone configured it (the CLI and the server do, `configure_logging`; so
+    does an application that uses structlog). Unconfigured, structlog would print every cycle to stdout: a program
+    that drives a Session gets no output it did not ask for, and no formatting cost per cycle. Trace sinks (hooks,
+    `--trace`) get every event either way."""
+    if structlog.is_configured():
+        log.info(name, **event)
 
 
 def _is_trace(path: Path) -> bool:

@@ -246,6 +246,12 @@ def drafter_dtype(params, graph_dtype: str) -> str:
     return graph_dtype if chosen == "graph" else chosen
 
 
+def node_dtype(params, graph_dtype: torch.dtype) -> torch.dtype:
+    """`drafter_dtype` for a built node, whose context holds the graph's dtype as a torch.dtype."""
+    chosen = params.get("dtype", "graph")
+    return graph_dtype if chosen == "graph" else getattr(torch, chosen)
+
+
 def head_copy_bytes(vocab: int, hidden: int, dtype: str, graph_dtype: str) -> int:
     """Bytes of the drafter's own copies of the target's embedding and LM head (none in the graph's dtype)."""
     return 0 if dtype == graph_dtype else 2 * vocab * hidden * getattr(torch, dtype).itemsize

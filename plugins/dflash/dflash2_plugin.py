@@ -43,7 +43,7 @@ from draftflow.plugin import (
     kv_dim,
     wrong_target_check,
 )
-from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape
+from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape, node_dtype
 from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
@@ -94,7 +94,7 @@ class DFlash2(DFlash):
 
     def __init__(self, ctx):
         Node.__init__(self, ctx)
-        self.dtype = getattr(torch, drafter_dtype(ctx.params, str(ctx.dtype).removeprefix("torch.")))
+        self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, self.dtype)
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)

@@ -50,7 +50,7 @@ from draftflow.plugin import (
 )
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.processors import LogitProcessor
-from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape, weight_bytes
+from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape, node_dtype, weight_bytes
 from draftflow.plugins.dflash.graphs import DraftRunner
 from draftflow.plugins.dflash.loader import load_drafter, read_config
 from draftflow.plugins.dflash.model import draft_logits
@@ -111,7 +111,7 @@ class DFlash(RowProposals, Node):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.dtype = getattr(torch, drafter_dtype(ctx.params, str(ctx.dtype).removeprefix("torch.")))
+        self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, self.dtype)
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
