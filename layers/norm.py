@@ -1,9 +1,21 @@
-"""RMSNorm as Qwen3, Llama and Qwen3-Next compute it (float32 statistics, the HF rounding order)."""
+"""RMSNorm as Qwen3, Llama and Qwen3-Next compute it (float32 statistics, the HF rounding order).
+
+On CUDA, outside autograd, float32 and bfloat16 rows go through the Triton kernel of
+`triton_kernels.add_rms` (the one the target's decode graphs use): one launch, or one graph
+node, instead of five. That is where the modules themselves run on the GPU: the DFlash,
+DFlash2 and MTP drafters' forwards (captured in their graphs) and eager prefills. On the
+H200 the DFlash drafter's graph held about a hundred small kernels a draft, ten norms of
+five kernels each among them (benchmarks/demo_cycle_profile.py). Training (autograd), the
+CPU and float16 keep the plain ops.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+_ROWS_DTYPES = {torch.float32: True, torch.bfloat16: True}  # what the Triton kernel takes
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +33,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
+        if x.is_cuda and _ROWS_DTYPES.get(x.dtype) and x.dtype == self.weight.dtype and x.is_contiguous() \
+                and not torch.is_grad_enabled():
+            from draftflow.layers.triton_kernels import add_rms
+
+            return add_rms(x, None, self.weight, self.eps, self.offset)[1]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:

@@ -37,6 +37,23 @@ from draftflow.plugins.target.model import TargetModel
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def graph_width(w: int, max_window: int) -> int:
+    """Tokens per row of the graph a `w`-token window runs: the next power of two >= w, at most `max_window`.
+
+    A verify window's width follows the drafts a cycle offers (prompt lookup's vary every cycle,
+    every drafter's shrink near max_new_tokens), so one graph per width meant up to max_window
+    graphs per KV bucket, most captured mid-request (H200, demo pair: 23 captures, 1.8 s, in
+    the first 30 HumanEval requests). Padded, a window runs one of log2(max_window) + 2 graphs;
+    the rows past `w` hold stale valid tokens, sit after every real row (causal attention: no
+    real row sees them) and write K/V and taps only past the committed length, as rejected
+    drafts do.
+    """
+    g = 1
+    while g < w:
+        g *= 2
+    return min(g, max_window)
+
+
 def batch_bucket(n: int, max_batch: int) -> int:
     """Rows a batch of `n` runs with: the smallest of BATCH_BUCKETS >= n, capped at `max_batch` (the cache's rows)."""
     return min(next((b for b in BATCH_BUCKETS if b >= n), n), max_batch)
@@ -96,19 +113,21 @@ class GraphRunner:
         """Run the window [anchor, *drafts] at `start` in row 0; return (logits [1, W, V] float32, taps [1, W, n*H] or None)."""
         # drafts: [1, K] int64 on the device, or None
         w = self._width(drafts)
-        self._check(0, start, w)
-        self.cache.ensure(start + w)
+        g = graph_width(w, self.max_window)
+        self._check(0, start, g)
+        self.cache.ensure(start + g)
         if self.linear is not None:
-            self.linear.rows(0, 1).begin(start, w)
+            self.linear.rows(0, 1).begin(start, g)
         # The anchor and start go in as kernel arguments: no host-to-device copy, no sync.
         self.tokens[:1, :1].fill_(anchor)
         if w > 1:
             self.tokens[:1, 1:w].copy_(drafts)
         self.start.fill_(start)
-        key = (1, w, bucket_for(start + w, self.cache.capacity, self.min_bucket))
+        key = (1, g, bucket_for(start + g, self.cache.capacity, self.min_bucket))
         self._rebalance()
         self.graphs(*key)
-        return self.outputs[key]
+        logits, taps = self.outputs[key]
+        return logits[:, :w], (taps[:, :w] if taps is not None else None)
 
     def step(self, anchors: list[int], drafts: torch.Tensor | None, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run row b's window [anchors[b], *drafts[b]] at starts[b] for the n = len(anchors) first cache rows.
@@ -122,14 +141,15 @@ class GraphRunner:
         if n == 1:
             return self(anchors[0], drafts, starts[0])
         w = self._width(drafts)
+        g = graph_width(w, self.max_window)
         nb = batch_bucket(n, self.max_batch)
         lengths = self.cache.lengths
         starts = list(starts) + lengths[n:nb]
         for row in range(n):
-            self._check(row, starts[row], w)
-        self.cache.ensure(max(starts) + w)
+            self._check(row, starts[row], g)
+        self.cache.ensure(max(starts) + g)
         if self.linear is not None:
-            self.linear.rows(0, nb).begin(starts, w)
+            self.linear.rows(0, nb).begin(starts, g)
         if self._staged is not None:
             self._staged.synchronize()  # the last batch's copy has left the staging buffer (done by the cycle's sync)
         self._host[:2 * nb] = torch.tensor(anchors + [0] * (nb - n) + starts)
@@ -141,11 +161,11 @@ class GraphRunner:
         if w > 1:
             self.tokens[:n, 1:w].copy_(drafts)
         self.starts[:nb].copy_(staged[nb:])
-        key = (nb, w, bucket_for(max(starts) + w, self.cache.capacity, self.min_bucket))
+        key = (nb, g, bucket_for(max(starts) + g, self.cache.capacity, self.min_bucket))
         self._rebalance()
         self.graphs(*key)
         logits, taps = self.outputs[key]
-        return logits[:n], (taps[:n] if taps is not None else None)
+        return logits[:n, :w], (taps[:n, :w] if taps is not None else None)
 
     def _rebalance(self) -> None:
         if self.model.expert_cache is not None:  # MoE: the last window's routing decides uploads, outside the graph
@@ -174,7 +194,7 @@ class GraphRunner:
         """
         keys: list[tuple[int, int, int]] = []
         nb = batch_bucket(batch, self.max_batch)
-        widths = sorted({w for w in widths if 1 <= w <= self.max_window})
+        widths = sorted({graph_width(w, self.max_window) for w in widths if 1 <= w <= self.max_window})
         lengths = self.cache.lengths[:nb]
         if not widths or max(lengths) + widths[-1] > self.cache.capacity:
             return keys

@@ -43,3 +43,28 @@ def test_triton_silu_mul_matches_plain_ops_on_fused_halves(dtype):
     gate_up = torch.randn(1, 5, 2 * 3000, generator=gen, device="cuda").to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     _agree(Kernels(elementwise=True).silu_mul(gate, up), silu_mul(gate, up), "silu_mul")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+def test_rmsnorm_module_takes_the_triton_kernel_outside_autograd(dtype, offset, monkeypatch):
+    """`RMSNorm` on CUDA under inference mode is one Triton launch that agrees with its plain ops; with autograd on
+    it keeps the plain ops (gradients flow)."""
+    from draftflow.layers import triton_kernels
+    from draftflow.layers.norm import RMSNorm
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    norm = RMSNorm(384, 1e-6, dtype, "cuda", offset)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(384, generator=gen, device="cuda"))
+    x = torch.randn(2, 16, 384, generator=gen, device="cuda").to(dtype)
+    calls = []
+    real = triton_kernels.add_rms
+    monkeypatch.setattr(triton_kernels, "add_rms", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        got = norm(x)
+    assert calls == [1]
+    _agree(got, rms(x, norm.weight.detach(), 1e-6, offset), "RMSNorm module")
+    norm.weight.requires_grad_(True)
+    norm(x).sum().backward()  # autograd: the plain ops, no Triton launch
+    assert calls == [1] and norm.weight.grad is not None

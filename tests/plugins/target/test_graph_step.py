@@ -18,7 +18,7 @@ from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
 from draftflow.layers.attention import bucket_for
 from draftflow.layers.fused import fuse_projections, joined
-from draftflow.plugins.target.graphs import GraphRunner
+from draftflow.plugins.target.graphs import GraphRunner, graph_width
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.layers.kv_cache import KVCache, static_shape
 
@@ -79,6 +79,17 @@ def test_static_step_matches_eager_forward(hf_dir, arch, fused):
     """Decode and verify windows through the bucketed, masked static step equal the eager forward (float32, 1e-5)."""
     loaded = load_hf(hf_dir(arch)[1], "cpu", torch.float32)
     _compare(loaded.model, loaded.config, "cpu", torch.float32, dict(capture=False, compiled=False, fused=fused, min_bucket=4))
+
+
+def test_windows_run_padded_to_power_of_two_graphs(hf_dir):
+    """A window of w tokens runs the graph of the next power of two (at most max_window): WINDOWS' widths 5 and 3
+    run as 8 and 4 and still equal the eager forward on their own rows (taps included)."""
+    assert [graph_width(w, 16) for w in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert graph_width(5, 6) == 6 and graph_width(17, 17) == 17
+    loaded = load_hf(hf_dir("qwen3")[1], "cpu", torch.float32)
+    runner = _compare(loaded.model, loaded.config, "cpu", torch.float32, dict(capture=False, compiled=False, min_bucket=16),
+                      taps=(0, 1))
+    assert sorted({w for _, w, _ in runner.outputs}) == [1, 4, 8]
 
 
 def test_static_step_taps_match_eager(hf_dir):
