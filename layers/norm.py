@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
         if x.is_cuda and _ROWS_DTYPES.get(x.dtype) and x.dtype == self.weight.dtype and x.is_contiguous() \
-                and not torch.is_grad_enabled():
+                and x.numel() and not torch.is_grad_enabled():  # an empty tensor has no pointer to give Triton
             from draftflow.layers.triton_kernels import add_rms
 
             return add_rms(x, None, self.weight, self.eps, self.offset)[1]

@@ -124,10 +124,9 @@ def walk(
     """Walk the draft rows left to right, each row's predecessor being the previous row's pick.
 
     The scores of every (predecessor, candidate) pair come from one product (`pair_scores`).
-    At T = 0 the walk itself runs on the host over those scores: one read of B*K*M*M
-    numbers instead of K rounds of small device ops (on CUDA, ~6 launches per row). At
-    T > 0 each row draws on the device from softmax(score / T), in row order, with
-    `generator`.
+    At T = 0 the picks are composed on the device (`_greedy_walk`: one argmax and log2(K)
+    gathers, no host read). At T > 0 each row draws on the device from softmax(score / T),
+    in row order, with `generator`.
     """
     scores = pair_scores(selector, ids, unary, hidden, anchor)  # [B, K, M, M]
     if temperature <= 0:
@@ -145,14 +144,18 @@ def walk(
 
 
 def _greedy_walk(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Greedy picks over `pair_scores` on the host (argmax: the first of equal scores, as torch's)."""
+    """Greedy picks over `pair_scores` on the device, with no host read (argmax: the first of equal scores).
+
+    Row n's pick is best[n, pick of row n-1], best[n, p] = argmax_m scores[n, p, m]: a chain of
+    K lookups. They are composed by doubling (round r: row n's map after row n-r's), so the
+    walk is one argmax and log2(K) gathers, not K dependent steps or a host round trip (the
+    host walk stalled the cycle on the drafter before the target's window could launch).
+    """
     # scores: [B, K, M, M]; ids: [B, K, M]; returns drafts [B, K] on ids' device
-    s, c = scores.float().cpu().numpy(), ids.cpu().numpy()
-    drafts = []
-    for row_scores, row_ids in zip(s, c):
-        pick, row = 0, []
-        for n in range(row_scores.shape[0]):
-            pick = int(row_scores[n, pick].argmax())
-            row.append(int(row_ids[n, pick]))
-        drafts.append(row)
-    return torch.tensor(drafts, dtype=torch.long).reshape(ids.shape[:2]).to(ids.device)
+    chain = scores.argmax(dim=-1)  # [B, K, M]: row n's pick after each predecessor index p
+    k, step = chain.shape[1], 1
+    while step < k:  # chain[:, n] becomes row n's pick as a function of row n-2*step's (row 0's: every p equal)
+        chain = torch.cat([chain[:, :step], chain[:, step:].gather(2, chain[:, :-step])], dim=1)
+        step *= 2
+    picks = chain[:, :, :1]  # [B, K, 1]: from row 1's predecessor, the anchor (index 0: its M rows are equal)
+    return ids.gather(2, picks)[:, :, 0]

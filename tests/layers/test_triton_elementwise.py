@@ -65,6 +65,8 @@ def test_rmsnorm_module_takes_the_triton_kernel_outside_autograd(dtype, offset, 
         got = norm(x)
     assert calls == [1]
     _agree(got, rms(x, norm.weight.detach(), 1e-6, offset), "RMSNorm module")
+    with torch.inference_mode():  # no rows (a drafter ingesting nothing): the plain ops, no Triton pointer to give
+        assert norm(x[:, :0]).shape == (2, 0, 384) and calls == [1]
     norm.weight.requires_grad_(True)
     norm(x).sum().backward()  # autograd: the plain ops, no Triton launch
     assert calls == [1] and norm.weight.grad is not None
