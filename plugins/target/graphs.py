@@ -54,6 +54,11 @@ def graph_width(w: int, max_window: int) -> int:
     return min(g, max_window)
 
 
+def graph_widths(max_window: int) -> list[int]:
+    """Every width `graph_width` gives for windows of 1..max_window tokens, ascending."""
+    return sorted({graph_width(w, max_window) for w in range(1, max_window + 1)})
+
+
 def batch_bucket(n: int, max_batch: int) -> int:
     """Rows a batch of `n` runs with: the smallest of BATCH_BUCKETS >= n, capped at `max_batch` (the cache's rows)."""
     return min(next((b for b in BATCH_BUCKETS if b >= n), n), max_batch)

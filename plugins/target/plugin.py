@@ -252,6 +252,11 @@ class Target(Node):
             self.model(ids, start, cache, logit_rows=1, linear=linear)
         if self.runner is not None and self.ctx.params["warmup_tokens"]:
             self.runner.prepare((1, self.ctx.num_draft + 1), self.ctx.params["warmup_tokens"])
+            from draftflow.plugins.target.graphs import graph_widths
+
+            # The padded widths between (prompt lookup's windows; every drafter's last cycles): in the first KV
+            # bucket only, which compiles their kernels now; a longer context captures its own on first use
+            self.runner.prepare(graph_widths(self.ctx.num_draft + 1), 1)
         torch.cuda.synchronize()
 
     def target_handle(self) -> TargetHandle:

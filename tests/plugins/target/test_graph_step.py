@@ -18,7 +18,7 @@ from draftflow.core.registry import load_registry
 from draftflow.core.spec import GraphSpec
 from draftflow.layers.attention import bucket_for
 from draftflow.layers.fused import fuse_projections, joined
-from draftflow.plugins.target.graphs import GraphRunner, graph_width
+from draftflow.plugins.target.graphs import GraphRunner, graph_width, graph_widths
 from draftflow.plugins.target.hf_loader import load_hf
 from draftflow.layers.kv_cache import KVCache, static_shape
 
@@ -86,6 +86,7 @@ def test_windows_run_padded_to_power_of_two_graphs(hf_dir):
     run as 8 and 4 and still equal the eager forward on their own rows (taps included)."""
     assert [graph_width(w, 16) for w in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     assert graph_width(5, 6) == 6 and graph_width(17, 17) == 17
+    assert graph_widths(16) == [1, 2, 4, 8, 16] and graph_widths(5) == [1, 2, 4, 5] and graph_widths(1) == [1]
     loaded = load_hf(hf_dir("qwen3")[1], "cpu", torch.float32)
     runner = _compare(loaded.model, loaded.config, "cpu", torch.float32, dict(capture=False, compiled=False, min_bucket=16),
                       taps=(0, 1))
