@@ -66,13 +66,20 @@ def _non_negative(_inst, attribute, value):
 
 @attrs.frozen
 class Port:
-    """An input or output of a node. ``carried`` inputs read the previous cycle's value."""
+    """An input or output of a node. ``carried`` inputs read the previous cycle's value.
+
+    ``auto`` (inputs): the planner wires the input from the one output of its type when the
+    graph has exactly one; False: only an explicit edge feeds it (an optional input that most
+    graphs leave open, like a block drafter's ``defer``, which auto-wiring would tie to any
+    proposal, even the drafter's own mixer).
+    """
 
     name: str = attrs.field(validator=_identifier)
     type: str = attrs.field(validator=attrs.validators.in_(tuple(PORT_TYPES)))
     required: bool = True
     carried: bool = False
     doc: str = ""
+    auto: bool = True
 
 
 @attrs.frozen

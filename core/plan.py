@@ -261,7 +261,7 @@ def _wire(plan: GraphPlan) -> None:
         plan.edges.append(edges[0])
     for name, resolved in plan.nodes.items():
         for port in resolved.manifest.inputs:
-            if (name, port.name) in explicit:
+            if (name, port.name) in explicit or not (port.auto or port.required):
                 continue
             producers = [(other, out) for other, r in plan.nodes.items() if other != name
                          for out in r.manifest.outputs if out.type == port.type]

@@ -70,6 +70,11 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
         "mixer(lookup, DFlash)": graph("mix", {"lookup": lookup, "dflash": dflash,
                                                "mix": {"plugin": "mixer", "params": {"inputs": ["a", "b"], "min_tokens": 2}}},
                                        mix_edges),
+        # The mixer's choice, with DFlash skipping the cycles where lookup offers >= 2 drafts (its `defer` input)
+        "lookup, else DFlash": graph("lookup-else-dflash", {"lookup": lookup, "dflash": dflash,
+                                                            "mix": {"plugin": "mixer", "params": {"inputs": ["a", "b"],
+                                                                                                  "min_tokens": 2}}},
+                                     [*mix_edges, "lookup.proposal -> dflash.defer"]),
     }
     if (demo / "dflash2" / "config.json").exists():
         from draftflow.plugins.dflash.dflash2_loader import read_config
@@ -80,11 +85,11 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
             configs[name] = graph(name.lower().replace(" ", "-"), {"dflash2": dflash2, "selector": {"plugin": selector}},
                                   taps=taps)
         mix2 = [e.replace("dflash.proposal", "selector.proposal") for e in mix_edges]
-        configs["mixer(lookup, DFlash2)"] = graph("mix2", {"lookup": lookup, "dflash2": dflash2,
-                                                           "selector": {"plugin": "dflash2-selector"},
-                                                           "mix": {"plugin": "mixer", "params": {"inputs": ["a", "b"],
-                                                                                                 "min_tokens": 2}}},
-                                                  mix2, taps=taps)
+        mixed2 = {"lookup": lookup, "dflash2": dflash2, "selector": {"plugin": "dflash2-selector"},
+                  "mix": {"plugin": "mixer", "params": {"inputs": ["a", "b"], "min_tokens": 2}}}
+        configs["mixer(lookup, DFlash2)"] = graph("mix2", mixed2, mix2, taps=taps)
+        configs["lookup, else DFlash2"] = graph("lookup-else-dflash2", mixed2,
+                                                [*mix2, "lookup.proposal -> dflash2.defer"], taps=taps)
     return configs
 
 

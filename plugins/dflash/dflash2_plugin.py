@@ -49,10 +49,10 @@ from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
 from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, shortcut_hooks, slot_width,
                                              tap_layer_check, trained_for)
-from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
+from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
-          *DFLASH_PARAMS[1:])  # cuda_graphs, dtype
+          *DFLASH_PARAMS[1:])  # cuda_graphs, dtype, defer_min
 
 
 @attrs.define
@@ -73,7 +73,8 @@ def manifest(params, env) -> Manifest:
     return Manifest(
         role="drafter",
         inputs=(Port("features", "features", carried=True,
-                     doc=f"target taps of layers {list(base.target_layer_ids)} for the newly committed tokens"),),
+                     doc=f"target taps of layers {list(base.target_layer_ids)} for the newly committed tokens"),
+                Port("defer", "proposal", required=False, doc=DEFER_DOC, auto=False)),
         outputs=(Port("candidates", "candidates",
                       doc=f"top-{cfg.selector_top_k} ids and unary logits per draft row, with hidden states"),),
         owns=(BufferSpec("dflash2_kv", kv_shape(base, kv_dim(slot_width(base, env.num_draft)), BATCH), own,

@@ -64,7 +64,12 @@ PARAMS = (
               "drafter of a float32 target drafts on half-precision matrix units (GPU tensor cores, CPUs with "
               "AVX512-BF16/AMX) with a bfloat16 copy of the target's embedding and head; the target, and so the "
               "output, are unchanged", choices=("graph", "float32", "bfloat16", "float16")),
+    ParamSpec("defer_min", "int", 2, "with the `defer` input connected (e.g. prompt lookup's proposal, which a mixer "
+              "prefers): draft nothing in a cycle where that proposal already offers this many drafts in every row",
+              minimum=1),
 )
+DEFER_DOC = ("optional: another drafter's proposal; a cycle where it offers `defer_min` drafts in every row drafts "
+             "nothing here (its feature rows wait in the target's tap buffer)")
 
 
 # Context rows projected per forward while ingesting a long prompt's features.
@@ -86,7 +91,8 @@ def manifest(params, env) -> Manifest:
     return Manifest(
         role="drafter",
         inputs=(Port("features", "features", carried=True,
-                     doc=f"target taps of layers {list(cfg.target_layer_ids)} for the newly committed tokens"),),
+                     doc=f"target taps of layers {list(cfg.target_layer_ids)} for the newly committed tokens"),
+                Port("defer", "proposal", required=False, doc=DEFER_DOC, auto=False)),
         outputs=(Port("proposal", "proposal"),),
         owns=(BufferSpec("dflash_kv", kv_shape(cfg, kv_dim(slot_width(cfg, env.num_draft)), BATCH), own,
                          doc="context K/V per draft layer and request slot, addressed by position; "
@@ -207,7 +213,7 @@ class DFlash(RowProposals, Node):
         # returns hidden: [B, K, H] (final-normed), logits: [B, K, V] float32, widths: B ints (<= K; 0 for pad rows)
         n = batch.size
         features = inputs.get("features") or [None] * n
-        k = min(self.config.block_size - 1, batch.num_draft)
+        k = 0 if self._deferred(inputs.get("defer")) else min(self.config.block_size - 1, batch.num_draft)
         if n == 1:
             req = batch.rows[0]
             k = min(k, req.num_draft)
@@ -223,6 +229,11 @@ class DFlash(RowProposals, Node):
             return None
         hidden, logits = self._draft_slots(n, todo, batch, widths)
         return hidden[:n, :k], logits[:n, :k], widths
+
+    def _deferred(self, other) -> bool:
+        """Whether the `defer` input offers at least `defer_min` drafts in every row: known on the host only when
+        its rows all have its full width (no per-row lengths, e.g. prompt lookup at batch 1), else never."""
+        return other is not None and other.lengths is None and other.tokens.shape[1] >= self.ctx.params["defer_min"]
 
     def _draft_slots(self, n: int, todo: list, batch, widths: list[int]):
         """One forward over slots [0, n): row b ingests its rows and drafts the full trained block (its first
