@@ -74,7 +74,7 @@ class Attention(nn.Module):
             if qkv is not None:
                 q, k, v = qkv.split([q_rows, kvh * d, kvh * d], dim=-1)
             else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+                q, k, v = (kernels.project(lin, x) for lin in (self.q_proj, self.k_proj, self.v_proj))
             if self.gated:
                 q, gate = q.view(b, t, qh, 2 * d).chunk(2, dim=-1)  # [B, T, QH, D] each
             else:
@@ -108,7 +108,7 @@ class MLP(nn.Module):
         if gate_up is not None:
             gate, up = gate_up.chunk(2, dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = kernels.project(self.gate_proj, x), kernels.project(self.up_proj, x)
         return kernels.project(self.down_proj, kernels.silu_mul(gate, up))
 
 

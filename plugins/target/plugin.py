@@ -48,6 +48,7 @@ from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 from draftflow.layers import cpu_linear, tensor_parallel
 from draftflow.layers.quant_linear import keeps_quantized
+from draftflow.layers.fused import fuse_projections
 
 # Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
 # covers prompt + max tokens of typical requests. Measured at Qwen3-8B shapes, bf16, H200 (docs/BENCHMARKS.md):
@@ -204,6 +205,11 @@ class Target(Node):
 
             loaded = load_hf(p["path"], ctx.device, ctx.dtype, self.tp)
         self.model = loaded.model.eval()  # model.config: this rank's shapes; self.config: the checkpoint's
+        if torch.device(ctx.device).type == "cpu":
+            # One q/k/v and one gate/up product a layer (row views of one weight each; what the CUDA graphs run):
+            # on the 2-core CPU a 16-row gate/up product took 111 µs fused against 129 as two (oneDNN), and
+            # 212 as two through MKL, which unfused projections took before (docs/BENCHMARKS.md, ninth session)
+            fuse_projections(self.model)
         self.config = loaded.config
         self.vocab_size = loaded.config.vocab_size
         self.eos_ids = loaded.eos_ids

@@ -47,6 +47,29 @@ def test_graph_decoding_equals_transformers_greedy(hf_dir, arch, kv_mode):
     assert list(result.token_ids) == hf_greedy(model, PROMPT, 48)
 
 
+def test_a_cpu_target_runs_fused_projections_through_the_cpu_linear_rule(hf_dir, monkeypatch):
+    """On the CPU the node fuses each layer's q/k/v and gate/up weights (one product each, as the CUDA graphs run)
+    and every projection goes through `cpu_linear.linear` (oneDNN for windows), not nn.Linear's MKL product; the
+    output still equals transformers' greedy run."""
+    from draftflow.layers import cpu_linear, fused
+    from draftflow.layers.fused import joined
+
+    model, path = hf_dir("qwen3")
+    widths = []
+    real = cpu_linear.linear
+    recorded = lambda x, w, b=None: widths.append(w.shape[0]) or real(x, w, b)  # noqa: E731
+    monkeypatch.setattr(cpu_linear, "linear", recorded)  # projections (o_proj, down_proj, unfused ones)
+    monkeypatch.setattr(fused.PLAIN, "matmul", recorded)  # fused products
+    ex, result = run_graph(path, n=16)
+    layer = ex.nodes["target"].model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
+    assert joined([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None
+    assert 2 * mlp.gate_proj.out_features in widths  # gate/up: one product
+    assert sum(lin.out_features for lin in (attn.q_proj, attn.k_proj, attn.v_proj)) in widths
+    assert list(result.token_ids) == hf_greedy(model, PROMPT, 16)
+
+
 def test_manifest_declares_kv_features_and_weights(hf_dir):
     """The plan counts weights from shapes, sizes the KV buffer, and provides target.features with taps."""
     _, path = hf_dir("qwen3")
