@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from draftflow.layers.sampling import sample
+from draftflow.layers.fused import fuse_projections
 from draftflow.plugin import (
     BATCH,
     EMBED_BUFFER,
@@ -97,6 +98,7 @@ class DFlash2(DFlash):
         Node.__init__(self, ctx)
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, self.dtype)
+        fuse_projections(self.model)  # k/v and gate/up as one product each (views of one weight; inference only)
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)
         self._init_slots(ctx.buffers["dflash2_kv"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]

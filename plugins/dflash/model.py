@@ -34,7 +34,9 @@ from torch import nn
 
 from draftflow.layers import cpu_linear
 from draftflow.layers.attention import attend_prefix
+from draftflow.layers import cpu_linear
 from draftflow.layers.decoder import MLP
+from draftflow.layers.fused import fused_linear
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.norm import RMSNorm
 from draftflow.layers.rope import rope_inv_freq, rope_tables, rotate
@@ -68,8 +70,10 @@ class DFlashAttention(nn.Module):
         """Rotated, normed keys and values of `x` (context or block rows)."""
         # x: [B, T, H]; cos, sin: [T, 1, D] or [B, T, 1, D]; returns k, v: [B, T, KVH, D]
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        kv = fused_linear(x, [self.k_proj, self.v_proj], cpu_linear.linear)  # one product once fused (the nodes fuse)
+        k, v = kv.chunk(2, dim=-1) if kv is not None else (self.k_proj(x), self.v_proj(x))
+        k = self.k_norm(k.reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         return rotate(k, cos, sin), v
 
     def folded_queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.processors import LogitProcessor
 from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape, node_dtype, weight_bytes
 from draftflow.plugins.dflash.graphs import DraftRunner
+from draftflow.layers.fused import fuse_projections
 from draftflow.plugins.dflash.loader import load_drafter, read_config
 from draftflow.plugins.dflash.model import draft_logits
 from draftflow.plugins.dflash.proposals import RowProposals
@@ -119,6 +120,7 @@ class DFlash(RowProposals, Node):
         super().__init__(ctx)
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, self.dtype)
+        fuse_projections(self.model)  # k/v and gate/up as one product each (views of one weight; inference only)
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
         self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused

@@ -2,7 +2,7 @@
 
 The shipped demo models (graphs/models/demo) in float32: prompt lookup, MTP, DFlash and
 DFlash2 each against the same target run without drafts. Logprobs with speculation equal
-target-only logprobs within 1e-5.
+target-only logprobs within LOGPROB_TOL.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ SETTINGS = {
     "all": dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.6, logit_bias={12: 3.0}, min_p=0.2),
 }
 MAX_NEW = 24
+# A verify window's logits and a one-token step's come from float32 products of different row counts, which round
+# differently (CPU targets fuse gate/up, so both run oneDNN: 1.05e-5 apart once on the 2-core CI CPU); a logprob
+# read from the wrong row or distribution is not a rounding-sized difference
+LOGPROB_TOL = 5e-5
 
 
 def executor(registry, nodes: dict, num_draft: int, mtp_taps: bool = False) -> Executor:
@@ -95,7 +99,7 @@ def test_greedy_speculative_equals_target_only_with_processors(drafter, referenc
 @pytest.mark.parametrize("drafter", ["lookup", "dflash"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_with_speculation_equal_target_only(drafter, temperature, target_only, prompts):
-    """Result.logprobs (chosen and top-3) with drafts equal target-only logprobs within 1e-5, same tokens."""
+    """Result.logprobs (chosen and top-3) with drafts equal target-only logprobs within LOGPROB_TOL, same tokens."""
     from draftflow.core.registry import load_registry
 
     num_draft, nodes = DRAFTERS[drafter]
@@ -112,9 +116,9 @@ def test_logprobs_with_speculation_equal_target_only(drafter, temperature, targe
         same = next((i for i, (a, b) in enumerate(zip(spec.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
         for i, (a, b) in enumerate(zip(spec.logprobs[:same + 1], ref.logprobs[:same + 1])):
             assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 3
-            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-5
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < LOGPROB_TOL
             if i < same:
                 assert a.token == b.token == spec.token_ids[i]
-                assert abs(a.logprob - b.logprob) < 1e-5
+                assert abs(a.logprob - b.logprob) < LOGPROB_TOL
             if temperature == 0:
                 assert a.top[0][0] == a.token and a.logprob == a.top[0][1]  # greedy emits the likeliest token
