@@ -120,7 +120,8 @@ class DFlash(RowProposals, Node):
         super().__init__(ctx)
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, self.dtype)
-        fuse_projections(self.model)  # k/v and gate/up as one product each (views of one weight; inference only)
+        if torch.device(ctx.device).type == "cpu":  # k/v and gate/up as one product each (views of one weight);
+            fuse_projections(self.model)  # on CUDA not yet timed against cuBLAS's choice per shape (docs/DFLASH.md)
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
         self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused
