@@ -69,9 +69,9 @@ class Port:
     """An input or output of a node. ``carried`` inputs read the previous cycle's value.
 
     ``auto`` (inputs): the planner wires the input from the one output of its type when the
-    graph has exactly one; False: only an explicit edge feeds it (an optional input that most
-    graphs leave open, like a block drafter's ``defer``, which auto-wiring would tie to any
-    proposal, even the drafter's own mixer).
+    graph has exactly one. False on an optional input: only an explicit edge feeds it (one that
+    most graphs leave open, like a block drafter's ``defer``, which auto-wiring would tie to any
+    proposal, even the drafter's own mixer); a required input is always wired.
     """
 
     name: str = attrs.field(validator=_identifier)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 
-_ROWS_DTYPES = {torch.float32: True, torch.bfloat16: True}  # what the Triton kernel takes
+_ROWS_DTYPES = (torch.float32, torch.bfloat16)  # what the Triton kernel takes
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
-        if x.is_cuda and _ROWS_DTYPES.get(x.dtype) and x.dtype == self.weight.dtype and x.is_contiguous() \
+        if x.is_cuda and x.dtype in _ROWS_DTYPES and x.dtype == self.weight.dtype and x.is_contiguous() \
                 and x.numel() and not torch.is_grad_enabled():  # an empty tensor has no pointer to give Triton
             from draftflow.layers.triton_kernels import add_rms
 

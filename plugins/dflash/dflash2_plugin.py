@@ -22,7 +22,6 @@ import attrs
 import torch
 
 from draftflow.layers.sampling import sample
-from draftflow.layers.fused import fuse_projections
 from draftflow.plugin import (
     BATCH,
     EMBED_BUFFER,
@@ -98,8 +97,7 @@ class DFlash2(DFlash):
         Node.__init__(self, ctx)
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, self.dtype)
-        if torch.device(ctx.device).type == "cpu":  # k/v and gate/up as one product each (views of one weight);
-            fuse_projections(self.model)  # on CUDA not yet timed against cuBLAS's choice per shape (docs/DFLASH.md)
+        self._fuse_on_cpu()
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)
         self._init_slots(ctx.buffers["dflash2_kv"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]

@@ -34,7 +34,6 @@ from torch import nn
 
 from draftflow.layers import cpu_linear
 from draftflow.layers.attention import attend_prefix
-from draftflow.layers import cpu_linear
 from draftflow.layers.decoder import MLP
 from draftflow.layers.fused import fused_linear
 from draftflow.layers.kv_cache import KVCache

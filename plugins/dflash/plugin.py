@@ -48,11 +48,11 @@ from draftflow.plugin import (
     kv_dim,
     wrong_target_check,
 )
+from draftflow.layers.fused import fuse_projections
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.processors import LogitProcessor
 from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape, node_dtype, weight_bytes
 from draftflow.plugins.dflash.graphs import DraftRunner
-from draftflow.layers.fused import fuse_projections
 from draftflow.plugins.dflash.loader import load_drafter, read_config
 from draftflow.plugins.dflash.model import draft_logits
 from draftflow.plugins.dflash.proposals import RowProposals
@@ -120,13 +120,18 @@ class DFlash(RowProposals, Node):
         super().__init__(ctx)
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, self.dtype)
-        if torch.device(ctx.device).type == "cpu":  # k/v and gate/up as one product each (views of one weight);
-            fuse_projections(self.model)  # on CUDA not yet timed against cuBLAS's choice per shape (docs/DFLASH.md)
+        self._fuse_on_cpu()
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
         self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused
         self._init_slots(ctx.buffers["dflash_kv"])
         self._bind()
+
+    def _fuse_on_cpu(self) -> None:
+        """On the CPU, each drafter layer's k/v and gate/up weights back to back (views of one tensor each): one
+        product per pair. On CUDA not yet timed against cuBLAS's choice at the wider shapes (docs/DFLASH.md)."""
+        if torch.device(self.ctx.device).type == "cpu":
+            fuse_projections(self.model)
 
     def _init_slots(self, buffer: torch.Tensor) -> None:
         """Per-slot state: a cache over each slot's row of `buffer` and the requests' matchers and processors."""

@@ -48,10 +48,7 @@ def graph_width(w: int, max_window: int) -> int:
     real row sees them) and write K/V and taps only past the committed length, as rejected
     drafts do.
     """
-    g = 1
-    while g < w:
-        g *= 2
-    return min(g, max_window)
+    return bucket_for(w, max_window, smallest=1)
 
 
 def graph_widths(max_window: int) -> list[int]:
