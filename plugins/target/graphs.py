@@ -99,6 +99,10 @@ class GraphRunner:
         self.kernels = Kernels(compiled=compiled, prologue=triton_ok and (fused if triton is None else triton),
                                split_attention=triton_ok and (True if triton_attention is None else triton_attention),
                                elementwise=kv.is_cuda and (True if elementwise is None else elementwise))
+        # The same prologue and elementwise kernels for eager forwards of any length (a prompt's prefill): no
+        # torch.compile (a prompt's length varies), and SDPA's causal kernel instead of the split-KV decode attention.
+        # H200, demo target (9 layers), a ~120-token prompt: ~500 launches with the plain ops.
+        self.eager_kernels = Kernels(prologue=self.kernels.prologue is not None, elementwise=self.kernels.elementwise)
         self.tokens = torch.zeros(batch, max_window, dtype=torch.long, device=device)  # [B, Wmax]
         self.start = torch.zeros(1, dtype=torch.long, device=device)  # [1]: batch bucket 1
         self.starts = torch.zeros(batch, dtype=torch.long, device=device)  # [B]: per-row starts of larger buckets

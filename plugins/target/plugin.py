@@ -48,7 +48,7 @@ from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.layers.linear_state import LinearState, conv_shape, journal_shape, recurrent_shape
 from draftflow.layers import cpu_linear, tensor_parallel
 from draftflow.layers.quant_linear import keeps_quantized
-from draftflow.layers.fused import fuse_projections
+from draftflow.layers.fused import PLAIN, fuse_projections
 
 # Graphs captured at warm-up: windows of 1 and num_draft+1 tokens, buckets 256 .. 2048 (4 per width), which
 # covers prompt + max tokens of typical requests. Measured at Qwen3-8B shapes, bf16, H200 (docs/BENCHMARKS.md):
@@ -233,7 +233,7 @@ class Target(Node):
             self.model.set_expert_cache(ctx.resident_experts)
         ctx.buffers[EMBED_BUFFER] = self.model.embed_tokens.weight  # declared of_weights buffers: readers are checked
         ctx.buffers[HEAD_BUFFER] = self.model.head_weight()
-        self.runner = None  # decode/verify windows as CUDA graphs; prefill always runs eagerly
+        self.runner = None  # decode/verify windows as CUDA graphs; prefill runs eagerly (`prefill_kernels`)
         # MoE layers on the device path route on the device (docs/MOE.md); a cache whose misses need the host
         # (no device path, or batched windows past the device window) stays eager: a graph cannot replay host decisions.
         moe_eager = self.config.moe_layers and not self.model.expert_cache.capturable(ctx.max_batch * window)
@@ -242,6 +242,10 @@ class Target(Node):
 
             self.runner = GraphRunner(self.model, self.cache, window, self.taps or (), linear=self.linear,
                                       features=self.features)
+        # Prefill (any length, eager) through the graphs' Triton prologue and norm/SiLU kernels: dense targets only
+        self.prefill_kernels = PLAIN
+        if self.runner is not None and not (self.config.is_hybrid or self.config.moe_layers):
+            self.prefill_kernels = self.runner.eager_kernels
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -255,7 +259,7 @@ class Target(Node):
         start = cache.length
         ids = torch.zeros(1, min(16, cache.capacity - start), dtype=torch.long, device=self.ctx.device)
         if ids.shape[1]:
-            self.model(ids, start, cache, logit_rows=1, linear=linear)
+            self.model(ids, start, cache, logit_rows=1, linear=linear, kernels=self.prefill_kernels)
         if self.runner is not None and self.ctx.params["warmup_tokens"]:
             self.runner.prepare((1, self.ctx.num_draft + 1), self.ctx.params["warmup_tokens"])
             from draftflow.plugins.target.graphs import graph_widths
@@ -339,7 +343,7 @@ class Target(Node):
         chunk, tapped = self.ctx.params["prefill_chunk"], []
         for start in range(0, t, chunk):
             window = ids[:, start:start + chunk]
-            _, taps = self.model(window, start, scratch, logit_rows=0, tap_layers=self.taps)
+            _, taps = self.model(window, start, scratch, logit_rows=0, tap_layers=self.taps, kernels=self.prefill_kernels)
             scratch.commit(start + window.shape[1])
             if taps is not None:
                 tapped.append(taps)  # [G, C, n_taps * H]
@@ -377,7 +381,8 @@ class Target(Node):
         ids = torch.tensor([req.tokens[begin:end]], dtype=torch.long, device=self.ctx.device)  # [1, end - begin]
         for start in range(begin, end, chunk):
             window = ids[:, start - begin:start - begin + chunk]
-            _, taps = self.model(window, start, cache, logit_rows=0, tap_layers=self.taps, linear=linear)
+            _, taps = self.model(window, start, cache, logit_rows=0, tap_layers=self.taps, linear=linear,
+                                 kernels=self.prefill_kernels)
             if taps is not None:
                 self.features[s:s + 1, start:start + window.shape[1]] = taps
             stop = min(start + chunk, end)

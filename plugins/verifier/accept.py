@@ -49,6 +49,10 @@ def greedy_accept(
         `accepted` `[B]` and `emitted` `[B, K+1]` padded with -1.
     """
     _check_shapes(draft_tokens, target_logits, "greedy_accept", "target_logits")
+    if target_logits.is_cuda and draft_tokens.dtype == torch.long:
+        from draftflow.plugins.verifier.greedy_kernel import greedy_verdict
+
+        return greedy_verdict(draft_tokens, target_logits)  # the same rule in two launches instead of nine
     target_ids = target_logits.argmax(dim=-1)  # [B, K+1]
     is_match = draft_tokens == target_ids[:, :-1]  # [B, K]
     accepted = is_match.long().cumprod(dim=1).sum(dim=1)  # [B]

@@ -248,3 +248,29 @@ def test_cuda_graphs_track_eager_in_bf16(hf_dir):
     loaded = load_hf(hf_dir("qwen3")[1], "cuda", torch.bfloat16)
     _compare(loaded.model, loaded.config, "cuda", torch.bfloat16, dict(capture=True, min_bucket=8), taps=(1,),
              tol=3e-2, rel=True)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_prefill_runs_the_graph_kernels_and_matches_the_plain_forward(hf_dir):
+    """On CUDA a dense target's prefill (eager, any length, here in 16-token chunks) runs the runner's Triton
+    prologue and norm kernels; the prompt's K/V and taps equal the plain forward's (float32)."""
+    _, path = hf_dir("qwen3")
+    registry = load_registry(autoload=False)
+    nodes = {"target": {"plugin": "target", "params": {"path": str(path), "tap_layers": [0, 1], "prefill_chunk": 16}},
+             "verify": {"plugin": "verifier"}}
+    spec = GraphSpec.from_dict({"device": "cuda", "dtype": "float32", "num_draft": 4, "max_context": 128,
+                                "nodes": nodes})
+    plan = build_plan(spec, registry)
+    plan.raise_if_problems()
+    ex = Executor(plan, hook=registry.pm.hook)
+    target = ex.nodes["target"]
+    assert target.prefill_kernels is target.runner.eager_kernels
+    assert target.prefill_kernels.prologue is not None and target.prefill_kernels.split_attention is None
+    prompt = _tokens(37, seed=5)[0].tolist()
+    ex.generate(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    n = len(prompt) - 1  # the last prompt token is the first window's anchor
+    plain = KVCache.from_static(torch.zeros(static_shape(target.model.config, 1, 64), device="cuda"))
+    _, taps = target.model(torch.tensor([prompt[:-1]], device="cuda"), 0, plain, tap_layers=(0, 1))
+    assert_close_to_scale(target.cache.buffer[:, :, :1, :n], plain.buffer[:, :, :, :n], 1e-4, "prompt K/V")
+    assert_close_to_scale(target.features[:1, :n], taps, 1e-4, "prompt taps")
