@@ -123,6 +123,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: Wi
     # q: [B, KVH, G*T, D] folded; keys, values: [B, S, KVH, D] (cache views) -> [B, T, QH*D]
     b, kvh, rows, d = q.shape
     t = window.positions.shape[-1]
+    if t == 1 and window.causal:  # one query over exactly its prefix: each KV head's G query heads are G rows over
+        # its keys, no mask, no repeated K/V (float32 on CUDA repeated the prefix's K/V every step, e.g. regenerating
+        # training windows at 4096 rows); rows at their own starts need the mask below
+        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2))  # [B, KVH, G, D]
+        return out.reshape(b, 1, kvh * rows * d)
     if not window.causal:
         return attend_prefix(q, keys, values, window.folded_mask(rows // t, q.dtype), t)
     q = q.view(b, rows // t * kvh, t, d)  # [B, QH, T, D]: head h = kvh*G + g
