@@ -101,7 +101,7 @@ class GraphRunner:
                                elementwise=kv.is_cuda and (True if elementwise is None else elementwise))
         # The same prologue and elementwise kernels for eager forwards of any length (a prompt's prefill): no
         # torch.compile (a prompt's length varies), and SDPA's causal kernel instead of the split-KV decode attention.
-        # H200, demo target (9 layers), a ~120-token prompt: ~500 launches with the plain ops.
+        # The plain ops are ~500 launches for the demo target (9 layers) over a 120-token prompt (torch.profiler).
         self.eager_kernels = Kernels(prologue=self.kernels.prologue is not None, elementwise=self.kernels.elementwise)
         self.tokens = torch.zeros(batch, max_window, dtype=torch.long, device=device)  # [B, Wmax]
         self.start = torch.zeros(1, dtype=torch.long, device=device)  # [1]: batch bucket 1
