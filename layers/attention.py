@@ -123,22 +123,20 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: Wi
     # q: [B, KVH, G*T, D] folded; keys, values: [B, S, KVH, D] (cache views) -> [B, T, QH*D]
     b, kvh, rows, d = q.shape
     t = window.positions.shape[-1]
-    if t == 1 and window.causal:  # one query over exactly its prefix: each KV head's G query heads are G rows over
-        # its keys, no mask, no repeated K/V (float32 on CUDA repeated the prefix's K/V every step, e.g. regenerating
-        # training windows at 4096 rows); rows at their own starts need the mask below
-        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2))  # [B, KVH, G, D]
-        return out.reshape(b, 1, kvh * rows * d)
     if not window.causal:
         return attend_prefix(q, keys, values, window.folded_mask(rows // t, q.dtype), t)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, KVH, S, D]
+    if t == 1:  # one query over its exact prefix: each KV head's G query heads are G rows over its keys, no mask and
+        # no repeated K/V (float32 on CUDA repeated the prefix's K/V every step, e.g. regenerating training windows)
+        return F.scaled_dot_product_attention(q, keys, values).reshape(b, 1, kvh * rows * d)  # from [B, KVH, G, D]
     q = q.view(b, rows // t * kvh, t, d)  # [B, QH, T, D]: head h = kvh*G + g
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     if _NATIVE_GQA and not (q.is_cuda and q.dtype == torch.float32):
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, enable_gqa=rows // t > 1)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=rows // t > 1)
     else:  # float32 on CUDA: flash cannot run it, and `enable_gqa` keeps the memory-efficient kernel out, so SDPA
         # fell back to its math path (H200: ~0.64 ms of host time a layer of a prefill); repeated heads keep it in
         rep = rows // t
         out = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
-                                             is_causal=t > 1)
+                                             is_causal=True)
     return out.transpose(1, 2).reshape(b, t, -1)
 
 
