@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo", default=str(DEMO), help="folder with target/ and the drafters (bench_humaneval's --demo)")
     p.add_argument("--configs", nargs="+", default=["target only", "DFlash", "DFlash2"])
     p.add_argument("--num-draft", type=int, default=15)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the graphs' dtype (bench_humaneval's --dtype)")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--out", required=True, help="folder for phases.json")
     a = p.parse_args(argv)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(False)
     _instrument()
     texts = [problem["prompt"] for problem in list(read_problems().values())[:a.prompts]]
-    configs = demo_configs(a.device, a.num_draft, Path(a.demo))
+    configs = demo_configs(a.device, a.num_draft, Path(a.demo), a.dtype)
     results = {"device": a.device, "prompts": a.prompts}
     print(f"{'config':16} {'tok/s':>8} {'tau':>6} {'us/cycle':>9} {'1st pass tok/s':>15} {'captures':>9}")
     for name in a.configs:

@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo", default=str(DEMO), help="folder with target/ and the drafters (bench_humaneval's --demo)")
     p.add_argument("--configs", nargs="+", default=["target only", "DFlash"])
     p.add_argument("--num-draft", type=int, default=15)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the graphs' dtype (bench_humaneval's --dtype)")
     p.add_argument("--prompts", type=int, default=20, help="timed prompts per configuration")
     p.add_argument("--profiled", type=int, default=2, help="prompts under torch.profiler per configuration")
     p.add_argument("--linear", action="store_true", help="first time F.linear alone at the drafter's shapes")
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'F.linear float32 [rows, in] x [in, out]':<42}{'eager us':>10}{'graph us':>10}")
         for shape, t in results["linear_us"].items():
             print(f"{shape:<42}{t['eager']:>10.1f}{t['graph'] if t['graph'] is not None else '-':>10}")
-    configs = demo_configs(a.device, a.num_draft, Path(a.demo))
+    configs = demo_configs(a.device, a.num_draft, Path(a.demo), a.dtype)
     unknown = sorted(set(a.configs) - set(configs))
     if unknown:
         print(f"error: --configs {' '.join(unknown)}: no such row; choose from {', '.join(configs)}", file=sys.stderr)

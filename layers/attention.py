@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
+from contextlib import nullcontext
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 MIN_BUCKET = 256  # smallest attention prefix; shorter buckets save nothing measurable at batch 1
 # Flash takes no mask; pin the masked kernel so a captured graph does not depend on torch's heuristics.
@@ -112,6 +114,18 @@ class Window:
             cache.buffer[layer, 1].index_copy_(1, self.positions, v)
 
 
+def _without_cudnn(q: torch.Tensor):
+    """SDPA's backends as enabled around this call, less cuDNN's, for a CUDA query: cuDNN's attention builds a graph
+    for every new shape (H200, bfloat16: ~6 ms a call, ~54 ms of a demo prefill at each new prompt length, profiled
+    in docs/BENCHMARKS.md), where flash and the memory-efficient kernel have no per-shape cost."""
+    cuda = torch.backends.cuda
+    if not (q.is_cuda and cuda.cudnn_sdp_enabled()):
+        return nullcontext()
+    return sdpa_kernel([b for b, on in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+                                        (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+                                        (SDPBackend.MATH, cuda.math_sdp_enabled())) if on])
+
+
 def fold(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Queries with each KV head's group folded into rows: [B, T, QH, D] -> [B, KVH, G*T, D], row g*T + j."""
     b, t, qh, d = q.shape
@@ -125,6 +139,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: Wi
     t = window.positions.shape[-1]
     if not window.causal:
         return attend_prefix(q, keys, values, window.folded_mask(rows // t, q.dtype), t)
+    with _without_cudnn(q):
+        return _attend_causal(q, keys, values, t)
+
+
+def _attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t: int) -> torch.Tensor:
+    b, kvh, rows, d = q.shape
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, KVH, S, D]
     if t == 1:  # one query over its exact prefix: each KV head's G query heads are G rows over its keys, no mask and
         # no repeated K/V (float32 on CUDA repeated the prefix's K/V every step, e.g. regenerating training windows)
@@ -149,6 +169,11 @@ def attend_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     """
     # q: [B, KVH, G*W, D]; keys, values: [B, S, KVH, D] (cache views); mask: [G*W, S] or [B, 1, G*W, S]
     # -> [B, W, QH*D]
+    with _without_cudnn(q):
+        return _attend_masked(q, keys, values, mask, w)
+
+
+def _attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, w: int) -> torch.Tensor:
     b, kvh, rows, d = q.shape
     g = rows // w
     if b == 1:

