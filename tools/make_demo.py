@@ -145,7 +145,7 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
     args = [kind, "--target", str(out / "target"), "--out", str(out / kind), "--checkpoint", str(work / f"{kind}.pt"),
             "--resume", "--time-budget-min", str(a.drafter_minutes), "--steps", "10000000", "--seed", str(a.seed),
             "--max-data-mb", str(a.drafter_data_mb), "--summary", str(work / f"{kind}-train.json"), "--device",
-            a.device, "--seq-len", "256", "--batch-size", str(a.batch_size), "--eval-every", str(a.eval_every),
+            a.device, "--seq-len", str(a.drafter_seq_len), "--batch-size", str(a.batch_size), "--eval-every", str(a.eval_every),
             "--save-every", str(a.eval_every), "--eval-windows", str(a.eval_windows), "--overwrite"]
     if kind == "mtp":
         return args + ["--labels", "target", "--lr", "3e-3"]
@@ -205,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--drafter-minutes", type=float, default=7.0)
     d.add_argument("--drafter-data-mb", type=float, default=32.0)
     d.add_argument("--batch-size", type=int, default=8, help="drafter batch size (the GPU run used 64)")
+    d.add_argument("--drafter-seq-len", type=int, default=256, help="drafter training window in tokens (the shipped "
+                   "drafters: 256)")
     d.add_argument("--regen-windows", type=int, default=32768, help="regenerated windows for the block drafters")
-    d.add_argument("--anchors", type=int, default=64, help="block drafters: blocks per 256-token training window (the "
+    d.add_argument("--anchors", type=int, default=64, help="block drafters: blocks per training window (the "
                    "shipped drafters' continued runs used 64; their first DFlash run 16)")
     d.add_argument("--dflash-lr", type=float, default=3e-3)
     d.add_argument("--continue-dflash", action="store_true", help="dflash: continue training the drafter already in "

@@ -120,14 +120,14 @@ def test_target_flag_drafts_for_another_copy_of_the_target(tmp_path, capsys):
 
 
 def test_interleaved_rows_give_the_sequential_tokens(tmp_path):
-    """--interleave runs prompt by prompt through every row; the rows' tau, cycles and acceptance are the sequential
-    run's (only the timing order changes), and each row keeps its own speedup against target-only."""
+    """Interleaved (the default) runs prompt by prompt through every row; the rows' tau, cycles and acceptance are
+    the sequential run's (--no-interleave; only the timing order changes), each row with its speedup."""
     runs = {}
-    for flag in ([], ["--interleave"]):
-        out = tmp_path / f"r{len(flag)}.json"
+    for flag in (["--no-interleave"], ["--interleave"]):
+        out = tmp_path / f"{flag[0]}.json"
         assert main(["--demo", str(DEMO), "--limit", "3", "--max-new-tokens", "12", "--temperatures", "0", "1",
                      "--configs", "target only", "prompt lookup", "DFlash", "--json", str(out), *flag]) == 0
-        runs[bool(flag)] = json.loads(out.read_text())
+        runs[flag == ["--interleave"]] = json.loads(out.read_text())
     assert set(runs[True]) == set(runs[False]) and len(runs[True]) == 6
     for key, r in runs[True].items():
         assert {k: r[k] for k in ("cycles", "drafted", "accepted")} == \

@@ -17,17 +17,18 @@ def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     out, work = tmp_path / "demo", tmp_path / "work"
     shutil.copytree(ROOT / "graphs" / "models" / "demo" / "target", out / "target")
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",
-                      "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--anchors", "16"]) == 0
+                      "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--anchors", "16",
+                      "--drafter-seq-len", "96"]) == 0
     run = json.loads((work / "summary.json").read_text())["dflash"]  # the `draftflow train` summary
     argv = run["argv"]
     assert argv[argv.index("--labels") + 1] == "regenerate" and argv[argv.index("--regen-windows") + 1] == "32"
-    assert argv[argv.index("--anchors") + 1] == "16"
+    assert argv[argv.index("--anchors") + 1] == "16" and argv[argv.index("--seq-len") + 1] == "96"
     assert run["steps"] > 0 and "tau" in run["evaluations"][-1][1]
     assert read_artifact(out / "dflash").config.block_size == 16 and (work / "dflash.gguf").exists()
     # --continue-dflash: the next run starts from that drafter (a copy in WORK), on windows of another seed
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",
                       "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--continue-dflash", "--seed", "1", "--anchors", "16",
-                      "--dflash-lr", "1e-3"]) == 0
+                      "--dflash-lr", "1e-3", "--drafter-seq-len", "96"]) == 0
     argv = json.loads((work / "summary.json").read_text())["dflash"]["argv"]
     assert argv[argv.index("--init-from") + 1] == str(work / "dflash-start") and "--layers" not in argv
     assert argv[argv.index("--lr") + 1] == "0.001" and argv[argv.index("--seed") + 1] == "1"
@@ -55,6 +56,13 @@ def test_a_drafter_argument_train_refuses_is_one_error_line(tmp_path, capsys):
                       "--eval-windows", "-1"]) == 1
     assert capsys.readouterr().err == "error: --eval-windows -1: must be at least 0 (held-out windows)\n"
     assert list(out.iterdir()) == []
+    # --drafter-seq-len too short for a 16-row block: train's one line, before it reads any text or loads the target
+    shutil.copytree(ROOT / "graphs" / "models" / "demo" / "target", out / "target")
+    assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(tmp_path / "work"),
+                      "--drafter-seq-len", "8"]) == 1
+    assert capsys.readouterr().err == ("error: --seq-len 8 leaves no room for a block of 16 after the first token; use "
+                                       "--seq-len of at least 17\n")
+    assert [p.name for p in out.iterdir()] == ["target"]
 
 
 def test_anchors_out_of_range_is_one_error_line(tmp_path, capsys):

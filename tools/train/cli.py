@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     from draftflow.tools.train.loop import TrainOptions, init_weights, train
     from draftflow.tools.train.output import checkpoint_path, write_file
 
+    known = _known_width(a)
+    if known:  # before reading and tokenizing the text (seconds to minutes); the built recipe is checked again below
+        _check_room(a.seq_len, known)
     texts = read_texts(files or source_files(), int(a.max_data_mb * 1e6), seed=a.seed, named=named)
     if not texts:
         where = " ".join(a.data) if a.data else "this machine's Python sources"
@@ -271,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
         recipe = MtpRecipe(target, new_head(target, a.seed), labels, a.num_draft)
     width = recipe.config.block_size if a.recipe != "mtp" else 2
-    if a.seq_len < width + 1:  # a block (MTP: the two next tokens) after at least one token of context
-        raise DraftflowError(f"--seq-len {a.seq_len} leaves no room for a block of {width} after the first token; use "
-                             f"--seq-len of at least {width + 1}")
+    _check_room(a.seq_len, width)
     if a.labels == "regenerate":
         sampler = _regenerated(a, target, sampler, width, a.anchors if a.recipe != "mtp" else 1)
     bf16 = a.precision == "bf16" or (a.precision == "auto" and torch.device(a.device).type == "cuda")
@@ -368,6 +369,24 @@ def _regenerated(a, target, sampler, width: int, anchors: int):
 def _mean(values) -> float:
     values = list(values)
     return round(sum(values) / max(1, len(values)), 4)
+
+
+def _check_room(seq_len: int, width: int) -> None:
+    if seq_len < width + 1:  # a block (MTP: the two next tokens) after at least one token of context
+        raise DraftflowError(f"--seq-len {seq_len} leaves no room for a block of {width} after the first token; use "
+                             f"--seq-len of at least {width + 1}")
+
+
+def _known_width(a) -> int | None:
+    """The rows a training block predicts, when the flags or --init-from's config.json say it without the target."""
+    if a.recipe == "mtp":
+        return 2
+    if not a.init_from:
+        return a.block_size or 8
+    try:
+        return int(json.loads((Path(a.init_from) / "config.json").read_text())["block_size"])
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable here: the drafter's loader names the problem later
+        return None
 
 
 def _backbone_config(a, loaded):

@@ -7,6 +7,7 @@ held out (chosen by a seeded shuffle), so held-out windows never overlap trainin
 
 from __future__ import annotations
 
+import os
 import random
 import sysconfig
 from pathlib import Path
@@ -39,15 +40,22 @@ def is_test_file(path: Path) -> bool:
 
 
 def source_files(roots: list[Path] | None = None, suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
-    """Source files under `roots` (files are taken as given), tests excluded, sorted, each path once."""
+    """Source files under `roots` (files are taken as given), tests excluded, sorted, each path once.
+
+    Test folders are pruned while walking (an installed torch alone holds ~200k paths), and directory links are
+    not followed (as `Path.rglob` before Python 3.13)."""
     found: dict[Path, None] = {}
     for root in roots or default_roots():
         root = Path(root)
         if root.is_file():
             found[root.resolve()] = None
             continue
-        for p in sorted(root.rglob("*")):
-            if p.suffix in suffixes and p.is_file() and not is_test_file(p.relative_to(root)):
+        files = []
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in _TEST_DIRS]
+            files += [Path(folder, n) for n in names if n.endswith(suffixes) and not is_test_file(Path(n))]
+        for p in sorted(files):
+            if p.is_file():
                 found[p.resolve()] = None
     return list(found)
 

@@ -34,9 +34,9 @@ def loaded(tmp_path_factory):
 
 
 def test_forward_logits_equal_the_expert_cache_path(loaded):
-    """Prefill and a 5-token window: the device path's logits equal the host-routed path's (float32, to rounding)."""
+    """Prefill and a 4-token window: the device path's logits equal the host-routed path's (float32, to rounding)."""
     model, cfg = loaded.model, loaded.config
-    tokens = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
     out = {}
     for device_path in (False, True):
         model.set_expert_cache(None).device_path = device_path
@@ -57,7 +57,7 @@ def test_graph_runner_windows_give_the_eager_greedy_tokens(loaded, resident):
     from host memory and promoted between windows) emit the host-routed greedy continuation."""
     model, cfg = loaded.model, loaded.config
     model.set_expert_cache(None).device_path = False
-    want = our_greedy(model, cfg, torch.tensor([PROMPT]), 5)
+    want = our_greedy(model, cfg, torch.tensor([PROMPT]), 3)
     model.set_expert_cache(None).device_path = True
     static = KVCache.from_static(torch.zeros(static_shape(cfg, 1, 64)))
     logits, _ = model(torch.tensor([PROMPT]), 0, static, logit_rows=1)  # prefill: the same at any residency
@@ -66,7 +66,7 @@ def test_graph_runner_windows_give_the_eager_greedy_tokens(loaded, resident):
     cache.device_path = True
     runner = GraphRunner(model, static, max_window=4, capture=False, compiled=False, min_bucket=16)
     got = [int(logits[0, -1].argmax())]
-    for _ in range(4):
+    for _ in range(2):
         logits, _ = runner(got[-1], None, static.length)
         static.commit(static.length + 1)
         got.append(int(logits[0, -1].argmax()))
