@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers.meta import embedding
 from draftflow.layers.sampling import sample
 from draftflow.plugins.dflash.dflash2_config import DFlash2Config
 from draftflow.plugins.dflash.model import DFlashModel
@@ -74,8 +75,8 @@ class CandidateSelector(nn.Module):
     def __init__(self, cfg: DFlash2Config, dtype: torch.dtype, device) -> None:
         super().__init__()
         v, r, h = cfg.vocab_size, cfg.selector_rank, cfg.base.hidden_size
-        self.predecessor_codebook = nn.Embedding(v, r, dtype=dtype, device=device)  # A: [V, R]
-        self.successor_codebook = nn.Embedding(v, r, dtype=dtype, device=device)  # S: [V, R]
+        self.predecessor_codebook = embedding(v, r, dtype, device)  # A: [V, R]
+        self.successor_codebook = embedding(v, r, dtype, device)  # S: [V, R]
         self.hidden_projection = nn.Linear(h, r, bias=False, dtype=dtype, device=device)  # W_hid: [R, H]
 
 

@@ -21,6 +21,7 @@ from draftflow.layers.decoder import DecoderLayer
 from draftflow.layers.fused import PLAIN, Kernels
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.linear_state import LinearState
+from draftflow.layers.meta import embedding
 from draftflow.layers.moe import SparseMoeBlock
 from draftflow.layers.norm import RMSNorm
 from draftflow.layers.rope import rope_inv_freq, rope_tables
@@ -43,7 +44,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.tp, self.full_config = tp, cfg
         self.config = cfg = local_config(cfg, tp.size, tp.rank)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_offset)
         if not cfg.tie_word_embeddings:
