@@ -13,7 +13,16 @@ import numba
 import numpy as np
 
 
-@numba.njit(cache=False)
+def _jit(fn):
+    # cache=True: a fresh process loads the compiled matcher instead of compiling it (~0.3 s of a cold start); numba
+    # keeps it beside this file or in the user's cache folder, and refuses to cache only when neither is writable
+    try:
+        return numba.njit(cache=True)(fn)
+    except RuntimeError:  # "no locator available": compile once per process instead
+        return numba.njit(cache=False)(fn)
+
+
+@_jit
 def find_continuation(history, length, min_ngram, max_ngram, max_tokens, latest=False):
     """Return (start, count): ``history[start:start+count]`` follows the best earlier match.
 

@@ -69,3 +69,10 @@ def test_matches_a_brute_force_reference(seed):
                 want = seq[hits[0] + n:hits[0] + n + 4]
                 break
         assert match(seq) == want, seq
+def test_the_compiled_matcher_is_cached_on_disk():
+    """A fresh process loads the matcher numba compiled before (~0.3 s of a cold start) instead of compiling it."""
+    from numba.core.caching import NullCache
+
+    from draftflow.plugins.lookup.matcher import find_continuation
+
+    assert not isinstance(find_continuation._cache, NullCache)
