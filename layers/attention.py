@@ -16,10 +16,10 @@ memory-efficient kernel with the query groups folded into rows, `attend_prefix`)
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from contextlib import nullcontext
 
+import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 MIN_BUCKET = 256  # smallest attention prefix; shorter buckets save nothing measurable at batch 1
@@ -173,7 +173,8 @@ def attend_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
         return _attend_masked(q, keys, values, mask, w)
 
 
-def _attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, w: int) -> torch.Tensor:
+def _attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   w: int) -> torch.Tensor:
     b, kvh, rows, d = q.shape
     g = rows // w
     if b == 1:
