@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from draftflow.core import executor as executor_module
+from draftflow.core.errors import DraftflowError
 from draftflow.core.executor import Executor
 from draftflow.core.node import SamplingParams
 from draftflow.core.session import Session
 from draftflow.core.tracing import configure_logging
 from draftflow.layers import graphs
 from draftflow.plugins.verifier import plugin as verifier_module
-from draftflow.tools.bench_humaneval import DEMO, demo_configs
+from draftflow.tools.bench_humaneval import DEMO, demo_configs, select_configs
 
 _spent: dict[str, float] = collections.defaultdict(float)
 _timing = [False]
@@ -132,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     _instrument()
     texts = [problem["prompt"] for problem in list(read_problems().values())[:a.prompts]]
     configs = demo_configs(a.device, a.num_draft, Path(a.demo), a.dtype)
+    try:
+        select_configs(configs, a.configs)
+    except DraftflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     results = {"device": a.device, "prompts": a.prompts}
     print(f"{'config':16} {'tok/s':>8} {'tau':>6} {'us/cycle':>9} {'1st pass tok/s':>15} {'captures':>9}")
     for name in a.configs:

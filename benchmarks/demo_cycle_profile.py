@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from draftflow.core.errors import DraftflowError
 from draftflow.core.node import SamplingParams
 from draftflow.core.session import Session
 from draftflow.core.tracing import configure_logging
-from draftflow.tools.bench_humaneval import DEMO, demo_configs
+from draftflow.tools.bench_humaneval import DEMO, demo_configs, select_configs
 
 LINEAR_SHAPES = ((1, 384, 128), (16, 384, 128), (32, 384, 128), (48, 384, 128), (16, 384, 384), (16, 1152, 384),
                  (16, 384, 1024), (16, 1024, 384), (15, 384, 8192))  # (rows, in, out)
@@ -131,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         for shape, t in results["linear_us"].items():
             print(f"{shape:<42}{t['eager']:>10.1f}{t['graph'] if t['graph'] is not None else '-':>10}")
     configs = demo_configs(a.device, a.num_draft, Path(a.demo), a.dtype)
-    unknown = sorted(set(a.configs) - set(configs))
-    if unknown:
-        print(f"error: --configs {' '.join(unknown)}: no such row; choose from {', '.join(configs)}", file=sys.stderr)
+    try:
+        select_configs(configs, a.configs)
+    except DraftflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     texts = [pr["prompt"] for pr in read_problems().values()]
     print(f"\n{'config':<24}{'tok/s':>9}{'tau':>7}{'draft ms':>10}{'verify ms':>11}{'commit ms':>11}{'ms/token':>10}")

@@ -24,9 +24,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from draftflow.core.errors import DraftflowError
 from draftflow.core.session import Session
 from draftflow.core.tracing import configure_logging
-from draftflow.tools.bench_humaneval import DEMO, demo_configs, run_config
+from draftflow.tools.bench_humaneval import DEMO, demo_configs, run_config, select_configs
 
 KINDS = ("after docstring", "line end in body", "char in body")
 
@@ -72,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     configure_logging(verbose=False)
     configs = demo_configs(a.device, a.num_draft, Path(a.demo))
-    unknown = sorted(set(a.configs) - set(configs))
-    if unknown:
-        print(f"error: --configs {' '.join(unknown)}: no such row; choose from {', '.join(configs)}", file=sys.stderr)
+    try:
+        select_configs(configs, a.configs)
+    except DraftflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     texts = prompt_texts(a.functions)
     results = {}

@@ -96,6 +96,16 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
     return configs
 
 
+def select_configs(configs: dict[str, dict], names: list[str] | None) -> dict[str, dict]:
+    """The rows named (all when `names` is empty), in `configs`' order; an unknown name is a DraftflowError."""
+    if not names:
+        return configs
+    unknown = sorted(set(names) - set(configs))
+    if unknown:
+        raise DraftflowError(f"--configs {' '.join(unknown)}: no such row; choose from {', '.join(configs)}")
+    return {name: g for name, g in configs.items() if name in names}
+
+
 class _Cycles:
     """A trace sink that accumulates every cycle into one RequestStats (the metric definitions of tracing)."""
 
@@ -191,13 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = Path(a.demo)
     configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy, Path(a.target) if a.target else None,
                            a.drafter_dtype)
-    if a.configs:
-        unknown = sorted(set(a.configs) - set(configs))
-        if unknown:
-            print(f"error: --configs {' '.join(unknown)}: no such row; choose from {', '.join(configs)}", file=sys.stderr)
-            return 2
-        configs = {name: g for name, g in configs.items() if name in a.configs}
     try:
+        configs = select_configs(configs, a.configs)
         sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}
     except DraftflowError as exc:  # e.g. a --demo folder without one of the drafters a row needs
         print(f"error: {exc}", file=sys.stderr)

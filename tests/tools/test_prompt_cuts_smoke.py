@@ -32,3 +32,11 @@ def test_cli_reports_tau_per_prompt_kind(tmp_path):
     r = json.loads(out.read_text())
     assert set(r) == {f"DFlash / {k}" for k in KINDS} and all(v["tau"] >= 1.0 for v in r.values())
     assert "after docstring" in run.stdout
+
+
+def test_an_unknown_row_is_one_error_line():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prompt_cuts.py"), "--configs", "DFlash", "nope",
+                          "--demo", str(SMALL_PAIR)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("error: --configs nope: no such row; choose from target only, ")
+    assert run.stderr.count("\n") == 1, run.stderr
