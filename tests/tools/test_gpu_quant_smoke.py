@@ -16,10 +16,12 @@ pytest.importorskip("triton")
 def test_tiny_run_measures_the_dflash_cycle_on_a_quantized_target(tmp_path):
     out = tmp_path / "q"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_quant.py"), "--tiny", "--quick", "--no-projections",
-                          "--configs", "bf16,q8_0+r", "--dflash-configs", "q8_0+r", "--out", str(out)],
+                          "--configs", "bf16,q8_0+r", "--dflash-configs", "q8_0+r", "--stages", "2,3", "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    configs = json.loads((out / "results.json").read_text())["configs"]
+    results = json.loads((out / "results.json").read_text())
+    configs = results["configs"]
+    assert results["stages"] == {"rows kernel": {"4": 2, "8": 2}, "split-K kernel": 3}  # --stages: pipelined loops
     assert "dflash" not in configs["bf16"] and configs["q8_0+r"]["gemv_rel_err"] < 1e-2
     d = configs["q8_0+r"]["dflash"]
     assert d["cycles"] > 0 and d["tokens_per_cycle"] >= 1 and d["cycle_in_target_steps"] > 0
