@@ -146,7 +146,8 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
             "--resume", "--time-budget-min", str(a.drafter_minutes), "--steps", "10000000", "--seed", str(a.seed),
             "--max-data-mb", str(a.drafter_data_mb), "--summary", str(work / f"{kind}-train.json"), "--device",
             a.device, "--seq-len", str(a.drafter_seq_len), "--batch-size", str(a.batch_size), "--eval-every", str(a.eval_every),
-            "--save-every", str(a.eval_every), "--eval-windows", str(a.eval_windows), "--overwrite"]
+            "--save-every", str(a.eval_every), "--eval-windows", str(a.eval_windows), "--eval-decode-tokens",
+            str(a.eval_decode_tokens), "--overwrite"]
     if kind == "mtp":
         return args + ["--labels", "target", "--lr", "3e-3"]
     # blocks need the target's own chain as labels (docs/TRAINING.md)
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     p.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations and checkpoints")
     p.add_argument("--eval-windows", type=int, default=16, help="drafters: held-out windows per evaluation")
+    p.add_argument("--eval-decode-tokens", type=int, default=128, help="drafters: tokens the final evaluation decodes "
+                   "per held-out window (tau_decode, as bench_humaneval measures; train's --eval-decode-tokens)")
     t = p.add_argument_group("target")
     t.add_argument("--target-minutes", type=float, default=11.0)
     t.add_argument("--data-mb", type=float, default=8.0, help="Python source text to read (the GPU run used 300)")

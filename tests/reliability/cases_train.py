@@ -76,6 +76,8 @@ CASES = [
     Case("train-batch-size-zero", train("dflash", "--batch-size", "0"), r"--batch-size 0: must be at least 1"),
     Case("train-batch-size-huge", train("mtp", "--batch-size", "100000000"),
          r"--batch-size 100000000 x --seq-len 32 is 3200000000 tokens, more than 16777216 at once", timeout=30),
+    Case("train-eval-decode-tokens-negative", train("dflash", "--eval-decode-tokens", "-1"),
+         r"--eval-decode-tokens -1: must be at least 0 \(tokens decoded per held-out window; 0: off\)"),
     Case("train-lr-zero", train("dflash", "--lr", "0"), r"--lr 0\.0: must be above 0\.0 \(the peak learning rate"),
     Case("train-lr-nan", train("dflash", "--lr", "nan"), r"--lr nan: not a finite number"),
     Case("train-warmup-above-one", train("mtp", "--warmup", "1.5"), r"--warmup 1\.5: must be at most 1\.0"),

@@ -44,7 +44,8 @@ def _train(kind: str, target: Path, out: Path, steps: int, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def dflash_run(target, tmp_path_factory):
     out = tmp_path_factory.mktemp("dflash") / "drafter"
-    return out, _train("dflash", target, out, 40, "--gguf", str(out.parent / "drafter.gguf"))
+    return out, _train("dflash", target, out, 40, "--gguf", str(out.parent / "drafter.gguf"), "--eval-decode-tokens",
+                       "10")
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,8 @@ def test_dflash_smoke_run_lowers_the_loss(dflash_run):
     assert s["steps"] == 40 and s["last_loss"] < s["first_loss"] - 0.3, s
     final = s["evaluations"][-1][1]
     assert {"loss", "tau", "acceptance"} <= set(final) and 1.0 <= final["tau"] <= 4.0
+    assert 1.0 <= final["tau_decode"] <= 4.0 and 0.0 <= final["acceptance_decode"] <= 1.0  # --eval-decode-tokens
+    assert [step for step, _ in s["evaluations"]] == [40]  # the final evaluation, once
 
 
 def test_mtp_smoke_run_lowers_the_loss(mtp_run):

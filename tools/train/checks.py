@@ -31,6 +31,7 @@ RANGES = {
     "seed": (0, True, 2**63 - 1, "the random seed"),
     "eval_every": (0, True, INT_MAX, "steps between evaluations; 0: only at the end"),
     "eval_windows": (0, True, INT_MAX, "held-out windows"),
+    "eval_decode_tokens": (0, True, 2**20, "tokens decoded per held-out window; 0: off"),
     "save_every": (0, True, INT_MAX, "steps between checkpoints; 0: only at the end"),
     "regen_windows": (1, True, INT_MAX, "regenerated windows"),
     "regen_temperature": (0.0, True, math.inf, "0 (greedy) or a sampling temperature"),

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--eval-decode-tokens", type=int, default=0, metavar="N",
+                   help="the final evaluation also decodes N tokens from each held-out window's midpoint, verifying "
+                        "as the runtime does at T = 0 with a fixed K, and reports tau_decode (the number "
+                        "bench_humaneval measures; the one-cycle tau runs high); 0: off")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--checkpoint", help="training state file (default: OUT/checkpoint.pt)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = a.precision == "bf16" or (a.precision == "auto" and torch.device(a.device).type == "cuda")
     opts = TrainOptions(steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                         clip=a.clip, bf16=bf16, eval_every=a.eval_every, eval_windows=a.eval_windows,
-                        save_every=a.save_every, checkpoint=checkpoint_path(a),
+                        eval_decode_tokens=a.eval_decode_tokens, save_every=a.save_every, checkpoint=checkpoint_path(a),
                         resume=a.resume, time_budget_s=a.time_budget_min * 60 if a.time_budget_min else None,
                         device=a.device)
     trainable = sum(p.numel() for p in recipe.module.parameters() if p.requires_grad)

@@ -175,8 +175,9 @@ class DFlashRecipe:
         # prefix: [1, P]; feats: [1, P, n_taps*H]; returns [K]
         return self.draft_rows(prefix, feats, k)[1].argmax(-1)[0]
 
-    def evaluate(self, windows: list[torch.Tensor], loss_windows=None) -> dict[str, float]:
-        """Held-out loss (on `loss_windows` = (tokens [N, S], first_anchor [N]) when given) and acceptance."""
+    def evaluate(self, windows: list[torch.Tensor], loss_windows=None, decode_tokens: int = 0) -> dict[str, float]:
+        """Held-out loss (on `loss_windows` = (tokens [N, S], first_anchor [N]) when given) and acceptance (decoded
+        too with `decode_tokens`: loop.decode_acceptance)."""
         device = self.target.norm.weight.device  # held-out windows live on the host
         totals: dict[str, float] = {}
         if loss_windows is None:
@@ -189,7 +190,7 @@ class DFlashRecipe:
             for name, value in {"loss": loss, **self.loss_parts}.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         out = estimate_acceptance(self.target, windows, self.config.target_layer_ids, self.config.block_size - 1,
-                                  self.propose)
+                                  self.propose, decode_tokens)
         return {name: total / max(1, len(scored)) for name, total in totals.items()} | out
 
     def hf_config(self) -> dict:

@@ -6,7 +6,9 @@ A recipe is an object with
   `(tokens, first_anchor [B])` (regenerated windows: the first position whose continuation the target wrote);
 - `evaluate(windows: list[Tensor], loss_windows=None) -> dict[str, float]` (held-out numbers, printed as
   training goes; `loss_windows` = the sampler's `held_out_loss(n)` when it has one: `(tokens [N, S],
-  first_anchor [N])` to take the held-out loss on, instead of the raw `windows`);
+  first_anchor [N])` to take the held-out loss on, instead of the raw `windows`); with
+  `TrainOptions.eval_decode_tokens` > 0 the final evaluation passes `decode_tokens=N` too, for
+  `estimate_acceptance`'s decoded estimate (`tau_decode`);
 and optionally
 - `loss_parts: dict[str, Tensor]`: named parts of the last loss, recorded every step (`TrainResult.parts`);
 - `progress: float`: set to the run's completed share before each `loss` (for loss-weight schedules);
@@ -94,6 +96,7 @@ class TrainOptions:
     bf16: bool = False  # autocast the forward to bfloat16 (the recipe's default on CUDA)
     eval_every: int = 100
     eval_windows: int = 16
+    eval_decode_tokens: int = 0  # > 0: the final evaluation also decodes this many tokens per window (tau_decode)
     save_every: int = 100
     checkpoint: Path | None = None
     resume: bool = False
@@ -188,11 +191,15 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         f = step / opts.steps
         return max(f, elapsed / opts.time_budget_s) if opts.time_budget_s else f
 
-    def evaluate() -> None:
+    def evaluate(final: bool = False) -> None:
         recipe.module.eval()
+        extra = {"decode_tokens": opts.eval_decode_tokens} if final and opts.eval_decode_tokens else {}
         with torch.no_grad():
-            result = recipe.evaluate(held_out) if loss_windows is None else recipe.evaluate(held_out, loss_windows)
+            result = recipe.evaluate(held_out, **extra) if loss_windows is None \
+                else recipe.evaluate(held_out, loss_windows, **extra)
         recipe.module.train()
+        if evaluations and evaluations[-1][0] == step:  # the final evaluation replaces one at the same step
+            evaluations.pop()
         evaluations.append((step, result))
         say(f"{label} step {step}: held-out " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
 
@@ -237,8 +244,8 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
         if opts.save_every and step % opts.save_every == 0:
             save()
         elapsed += time.perf_counter() - t0  # evaluations and checkpoints count: the budget is wall time
-    if not evaluations or evaluations[-1][0] != step:
-        evaluate()
+    if not evaluations or evaluations[-1][0] != step or opts.eval_decode_tokens:
+        evaluate(final=True)
     save()
     return TrainResult(start_step, step, elapsed, losses, evaluations, parts)
 
@@ -275,14 +282,15 @@ def greedy_continuation(target: TargetModel, prefix: torch.Tensor, n: int, taps:
 
 
 def estimate_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: tuple[int, ...], num_draft: int,
-                        propose: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor | dict[str, torch.Tensor]]
-                        ) -> dict[str, float]:
+                        propose: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor | dict[str, torch.Tensor]],
+                        decode_tokens: int = 0) -> dict[str, float]:
     """Greedy agreement of drafts with the target's own continuation, one cycle per held-out window.
 
     The prefix ends at the window's midpoint (the anchor); `propose(prefix [1, P], taps [1, P, *], K)` returns
     the drafter's K tokens exactly as its graph node would. tau = 1 + mean accepted prefix length. `propose`
     may instead return several named draft sets from one forward (`{"": drafts, "top1": other}`); the numbers
-    of a named set get its name as a suffix (`tau_top1`).
+    of a named set get its name as a suffix (`tau_top1`). `decode_tokens` > 0 adds `decode_acceptance`'s
+    numbers (`tau_decode`, `acceptance_decode`).
     """
     accepted: dict[str, list[int]] = {}
     for w in windows:
@@ -291,13 +299,56 @@ def estimate_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: 
         truth, feats = greedy_continuation(target, prefix, num_draft, taps)
         drafted = propose(prefix, feats, num_draft)  # [K] or {name: [K]}
         for name, drafts in (drafted if isinstance(drafted, dict) else {"": drafted}).items():
-            n = 0
-            while n < num_draft and int(drafts[n]) == int(truth[n]):
-                n += 1
-            accepted.setdefault(name, []).append(n)
+            accepted.setdefault(name, []).append(_agreed(drafts, truth, num_draft))
     out = {}
     for name, counts in accepted.items():
         mean, suffix = sum(counts) / max(1, len(counts)), f"_{name}" if name else ""
         out |= {f"tau{suffix}": 1.0 + mean, f"acceptance{suffix}": mean / num_draft,
                 f"first_token{suffix}": sum(a > 0 for a in counts) / max(1, len(counts))}
-    return out or {"tau": 1.0, "acceptance": 0.0, "first_token": 0.0}
+    out = out or {"tau": 1.0, "acceptance": 0.0, "first_token": 0.0}
+    if decode_tokens:
+        out |= decode_acceptance(target, windows, taps, num_draft, propose, decode_tokens)
+    return out
+
+
+def decode_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: tuple[int, ...], num_draft: int,
+                      propose: Callable, new_tokens: int) -> dict[str, float]:
+    """tau as the runtime measures it: greedy speculative decoding of `new_tokens` from each window's midpoint.
+
+    The one-cycle estimate drafts once per window, right after held-out text. A decode drafts again
+    after every verdict, from anchors the target wrote, as `bench_humaneval` runs at T = 0 with a fixed
+    K: each cycle offers min(K, tokens left - 1) drafts, accepts the longest prefix that matches the
+    target's greedy continuation and emits one more token. tau = tokens / cycles over all windows;
+    `acceptance_decode` = accepted drafts / offered drafts. A drafter returning named sets is decoded
+    with its main set (`""`).
+    """
+    device = target.norm.weight.device
+    tokens = cycles = accepted = offered = 0
+    for w in windows:
+        p = max(2, w.numel() // 2)
+        prefix = w[:p][None].to(device)  # [1, P]
+        truth, _ = greedy_continuation(target, prefix, new_tokens + num_draft, taps)
+        seq = torch.cat([prefix, truth[None]], dim=1)  # [1, P + new_tokens + K]: what verification emits
+        cache = KVCache.from_static(torch.empty(static_shape(target.config, 1, seq.shape[1]),
+                                                dtype=target.norm.weight.dtype, device=device))
+        _, feats = target(seq, 0, cache, logit_rows=1, tap_layers=taps)  # [1, len, n_taps * H]
+        emitted = 0
+        while emitted < new_tokens:
+            anchor = p - 1 + emitted
+            k = min(num_draft, new_tokens - emitted - 1)
+            n = 0
+            if k > 0:
+                drafted = propose(seq[:, :anchor + 1], feats[:, :anchor + 1], num_draft)
+                drafts = drafted[""] if isinstance(drafted, dict) else drafted
+                n = _agreed(drafts, seq[0, anchor + 1:], k)
+            emitted, cycles, accepted, offered = emitted + n + 1, cycles + 1, accepted + n, offered + k
+        tokens += emitted
+    return {"tau_decode": tokens / max(1, cycles), "acceptance_decode": accepted / max(1, offered)}
+
+
+def _agreed(drafts: torch.Tensor, truth: torch.Tensor, k: int) -> int:
+    """How many of the first `k` drafts match `truth` before the first mismatch."""
+    n = 0
+    while n < k and int(drafts[n]) == int(truth[n]):
+        n += 1
+    return n

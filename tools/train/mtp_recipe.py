@@ -74,12 +74,13 @@ class MtpRecipe:
                 logits, out = self.module(tok, out, p - 1 + j, cache)
         return torch.cat(drafts, dim=1)[0]
 
-    def evaluate(self, windows: list[torch.Tensor], loss_windows=None) -> dict[str, float]:
-        """Held-out loss (on the regenerated `loss_windows` tokens when given) and acceptance."""
+    def evaluate(self, windows: list[torch.Tensor], loss_windows=None, decode_tokens: int = 0) -> dict[str, float]:
+        """Held-out loss (on the regenerated `loss_windows` tokens when given) and acceptance (decoded too with
+        `decode_tokens`: loop.decode_acceptance)."""
         device = self.target.norm.weight.device  # held-out windows live on the host
         scored = [w[None] for w in windows] if loss_windows is None else list(loss_windows[0].split(1))
         losses = [float(self.loss(w.to(device))) for w in scored]
-        out = estimate_acceptance(self.target, windows, (self.last,), self.num_draft, self.propose)
+        out = estimate_acceptance(self.target, windows, (self.last,), self.num_draft, self.propose, decode_tokens)
         return {"loss": sum(losses) / max(1, len(losses)), **out}
 
     def save(self, out: Path, target_config: dict) -> None:
