@@ -21,8 +21,8 @@ import argparse
 import collections
 import cProfile
 import io
-import pstats
 import json
+import pstats
 import sys
 import time
 from pathlib import Path

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-decode-tokens", type=int, default=0, metavar="N",
                    help="the final evaluation also decodes N tokens from each held-out window's midpoint, verifying "
                         "as the runtime does at T = 0 with a fixed K, and reports tau_decode (the number "
-                        "bench_humaneval measures; the one-cycle tau runs high); 0: off")
+                        "bench_humaneval measures; the one-cycle tau sees only the first cycle after held-out text); 0: off")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--checkpoint", help="training state file (default: OUT/checkpoint.pt)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
