@@ -153,6 +153,8 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
     # blocks need the target's own chain as labels (docs/TRAINING.md)
     args += ["--labels", "regenerate", "--regen-windows", str(a.regen_windows), "--anchors", str(a.anchors), "--gguf",
              str(work / f"{kind}.gguf")]
+    if a.regen_body_share:
+        args += ["--regen-body-share", str(a.regen_body_share)]
     if kind == "dflash" and a.continue_dflash:  # a copy: --init-from may not be the --out it overwrites
         if not (out / "dflash" / "config.json").is_file():
             raise SystemExit(f"error: --continue-dflash: no DFlash drafter in {out / 'dflash'}; train one first "
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--drafter-seq-len", type=int, default=256, help="drafter training window in tokens (the shipped "
                    "drafters: 256)")
     d.add_argument("--regen-windows", type=int, default=32768, help="regenerated windows for the block drafters")
+    d.add_argument("--regen-body-share", type=float, default=0.0, help="block drafters: the share of regenerated "
+                   "windows whose prompt ends where a body starts (train's --regen-body-share; not yet measured)")
     d.add_argument("--anchors", type=int, default=64, help="block drafters: blocks per training window (the "
                    "shipped drafters' continued runs used 64; their first DFlash run 16)")
     d.add_argument("--dflash-lr", type=float, default=3e-3)

@@ -18,13 +18,13 @@ def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     shutil.copytree(ROOT / "graphs" / "models" / "demo" / "target", out / "target")
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",
                       "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--anchors", "16",
-                      "--drafter-seq-len", "96", "--eval-decode-tokens", "6"]) == 0
+                      "--drafter-seq-len", "96", "--eval-decode-tokens", "6", "--regen-body-share", "0.5"]) == 0
     run = json.loads((work / "summary.json").read_text())["dflash"]  # the `draftflow train` summary
     argv = run["argv"]
     assert argv[argv.index("--labels") + 1] == "regenerate" and argv[argv.index("--regen-windows") + 1] == "32"
     assert argv[argv.index("--anchors") + 1] == "16" and argv[argv.index("--seq-len") + 1] == "96"
     assert run["steps"] > 0 and {"tau", "tau_decode"} <= set(run["evaluations"][-1][1])
-    assert argv[argv.index("--eval-decode-tokens") + 1] == "6"
+    assert argv[argv.index("--eval-decode-tokens") + 1] == "6" and argv[argv.index("--regen-body-share") + 1] == "0.5"
     assert read_artifact(out / "dflash").config.block_size == 16 and (work / "dflash.gguf").exists()
     # --continue-dflash: the next run starts from that drafter (a copy in WORK), on windows of another seed
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",

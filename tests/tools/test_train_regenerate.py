@@ -10,7 +10,7 @@ from helpers import ROOT, run_cli, SMALL_PAIR
 
 from draftflow.plugins.dflash.model import DFlashModel
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.tools.train.data import TokenData, WindowSampler
+from draftflow.tools.train.data import TokenData, WindowSampler, body_starts
 from draftflow.tools.train.dflash_recipe import DFlashRecipe, new_config
 from draftflow.tools.train.loop import greedy_continuation, init_weights
 from draftflow.tools.train.regenerate import RegeneratedSampler, regenerate
@@ -221,6 +221,10 @@ def test_pool_cache_is_read_back_only_for_the_same_run(demo, stream, tmp_path):
     truncated = sampler(seed=1)
     assert not truncated.reused and "is unreadable" in truncated.cache_note and torch.equal(truncated.pool, other.pool)
     assert sampler(seed=1).reused  # rewritten whole
+    text = [demo.tokenizer.decode([i]) for i in range(demo.tokenizer.get_vocab_size())]
+    bodies = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=6, seed=1,
+                                batch_size=3, cache=cache, body_share=0.5, token_text=text)
+    assert not bodies.reused and "made another way" in bodies.cache_note  # the share is part of the key
 
 
 def test_cli_resume_reads_the_regenerated_pool_back(tmp_path):
@@ -235,3 +239,79 @@ def test_cli_resume_reads_the_regenerated_pool_back(tmp_path):
     second = run_cli(args + ["--overwrite"])
     assert second.returncode == 0, second.stderr
     assert f"read back from {tmp_path / 'd' / 'checkpoint.pt.regen.pt'}" in second.stderr
+
+
+SNIPPET = '''import os
+
+
+def add(x, y):
+    """Add two numbers.
+
+    More text.
+    """
+    return x + y
+
+
+class A(object):
+    def f(self):  # note
+        s = """not a doc
+def g(): inside"""
+        return s
+
+    def h(self,
+          y) -> int:
+        """One line."""
+        return 1
+'''
+
+
+def test_body_starts_mark_headers_and_docstring_ends(demo):
+    """`data.body_starts`: the newline after a def/class line or after a docstring's closing quotes, and nothing in a
+    string literal (`def g()` inside one) or after a string that is not a docstring."""
+    ids = demo.tokenizer.encode(SNIPPET, add_special_tokens=False).ids
+    text = [demo.tokenizer.decode([i]) for i in range(demo.tokenizer.get_vocab_size())]
+    ends = [demo.tokenizer.decode(ids[:i + 1]).rstrip(" ").split("\n")[-2].strip() for i in body_starts(
+        torch.tensor(ids), text)]
+    assert ends == ["def add(x, y):", '"""', "class A(object):", "def f(self):  # note", '"""One line."""']
+
+
+def test_regenerated_prompts_end_where_a_body_starts(demo, stream):
+    """--regen-body-share 1: every pooled window's prompt ends at a body start of the training stream; 0.5: half of
+    each generation batch does; without the option few do."""
+    text = [demo.tokenizer.decode([i]) for i in range(demo.tokenizer.get_vocab_size())]
+    data = TokenData(stream[:-200], stream[-200:], 1, 0)
+    ends = set(body_starts(data.train, text))
+
+    def prompt_ends(regen):  # how many rows' prompts are a stream slice that ends at a body start
+        hits = 0
+        for row, first in zip(regen.pool, regen.first_anchor.tolist()):
+            prompt = row[:first + 1]
+            hits += any(torch.equal(data.train[c - first:c + 1], prompt) for c in ends if c >= first)
+        return hits
+
+    every = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=8, seed=0,
+                               batch_size=4, body_share=1.0, token_text=text)
+    assert prompt_ends(every) == 8
+    half = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=8, seed=0,
+                              batch_size=4, body_share=0.5, token_text=text)
+    plain = RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=8, seed=0, batch_size=4)
+    assert prompt_ends(half) >= 4 and prompt_ends(plain) < 4
+    with pytest.raises(ValueError, match="body_share needs token_text"):
+        RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=2, body_share=0.5)
+
+
+def test_cli_regen_body_share_is_reported_and_checked(tmp_path):
+    """The CLI says how many prompts end at a body start; a share above 1, or one without --labels regenerate, is one
+    error line."""
+    base = ["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core", "--steps", "2",
+            "--seq-len", "48", "--batch-size", "4", "--block-size", "4", "--layers", "1", "--anchors", "4",
+            "--eval-every", "0", "--eval-windows", "1", "--save-every", "0", "--max-data-mb", "0.1", "--device", "cpu"]
+    r = run_cli(base + ["--labels", "regenerate", "--prompt-len", "12", "--regen-windows", "8", "--regen-body-share",
+                        "1"])
+    assert r.returncode == 0, r.stderr
+    assert "(12-12 of text, the rest written by the target; 1 of the prompts end where a body starts)" in r.stderr
+    bad = run_cli(base + ["--labels", "regenerate", "--regen-body-share", "2", "--out", tmp_path / "e"])
+    assert bad.returncode != 0 and "--regen-body-share 2.0: must be at most 1.0" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    stray = run_cli(base + ["--regen-body-share", "0.5", "--out", tmp_path / "f"])
+    assert stray.returncode != 0 and "--regen-body-share applies to --labels regenerate only" in stray.stderr

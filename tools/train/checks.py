@@ -35,6 +35,7 @@ RANGES = {
     "save_every": (0, True, INT_MAX, "steps between checkpoints; 0: only at the end"),
     "regen_windows": (1, True, INT_MAX, "regenerated windows"),
     "regen_temperature": (0.0, True, math.inf, "0 (greedy) or a sampling temperature"),
+    "regen_body_share": (0.0, True, 1.0, "the share of regenerated windows whose prompt ends at a body start"),
     "layers": (1, True, INT_MAX, "draft layers"),
     "block_size": (2, True, INT_MAX, "the anchor plus at least one draft"),
     "anchors": (1, True, INT_MAX, "blocks per window"),
@@ -88,7 +89,7 @@ def check_recipe_options(a, owners: dict[str, tuple[str, ...]]) -> None:
     for dest, recipes in owners.items():
         if getattr(a, dest) is None:
             continue
-        if dest in ("prompt_len", "regen_windows", "regen_temperature"):
+        if dest in ("prompt_len", "regen_windows", "regen_temperature", "regen_body_share"):
             if a.labels != "regenerate":
                 raise DraftflowError(f"{flag(dest)} applies to --labels regenerate only (this run has --labels "
                                      f"{a.labels}); drop it or add --labels regenerate")

@@ -33,7 +33,7 @@ MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 BLOCKS, DFLASH2, MTP, REGEN = ("dflash", "dflash2"), ("dflash2",), ("mtp",), ("dflash", "dflash2", "mtp")
 # Options of some recipes only (or of --labels regenerate): they parse to None unless given, so an option of
 # another recipe is refused rather than ignored; these are their defaults.
-RECIPE_DEFAULTS = {"regen_windows": 16384, "regen_temperature": 0.0, "anchors": 16, "conv_kernel_size": 2,
+RECIPE_DEFAULTS = {"regen_windows": 16384, "regen_temperature": 0.0, "regen_body_share": 0.0, "anchors": 16, "conv_kernel_size": 2,
                    "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0,
                    "selector_warmup": 0.0005, "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4}
 
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     only(p, REGEN, "--regen-windows", type=int, help="regenerate: windows in the generated pool (default 16384)")
     only(p, REGEN, "--regen-temperature", type=float, help="regenerate: 0 (default) = the target writes greedily; T > 0 "
          "= it samples at temperature T (labels for drafting at T > 0)")
+    only(p, REGEN, "--regen-body-share", type=float, metavar="SHARE", help="regenerate: this share (0 to 1, default 0) "
+         "of the windows start so that their prompt ends where a function or class body starts (after a def/class "
+         "line or a docstring), as a HumanEval prompt does; the target writes the body")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--time-budget-min", type=float, help="end the run (and its LR schedule) after this many minutes")
     p.add_argument("--batch-size", type=int, default=8)
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     width = recipe.config.block_size if a.recipe != "mtp" else 2
     _check_room(a.seq_len, width)
     if a.labels == "regenerate":
-        sampler = _regenerated(a, target, sampler, width, a.anchors if a.recipe != "mtp" else 1)
+        sampler = _regenerated(a, loaded, sampler, width, a.anchors if a.recipe != "mtp" else 1)
     bf16 = a.precision == "bf16" or (a.precision == "auto" and torch.device(a.device).type == "cuda")
     opts = TrainOptions(steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                         clip=a.clip, bf16=bf16, eval_every=a.eval_every, eval_windows=a.eval_windows,
@@ -344,7 +347,7 @@ def _prompt_range(text: str | None, seq: int, width: int, anchors: int) -> tuple
     return lo, hi
 
 
-def _regenerated(a, target, sampler, width: int, anchors: int):
+def _regenerated(a, loaded, sampler, width: int, anchors: int):
     import torch
 
     from draftflow.tools.train.output import checkpoint_path
@@ -360,13 +363,17 @@ def _regenerated(a, target, sampler, width: int, anchors: int):
     # kept next to the checkpoint; read back under --resume (the pool a resumed run started on, not paid for twice)
     checkpoint = checkpoint_path(a)
     cache = checkpoint.with_name(checkpoint.name + ".regen.pt")
-    regen = RegeneratedSampler(sampler, target, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows,
-                               temperature=temperature, cache=cache, reuse=a.resume)
+    share = a.regen_body_share
+    token_text = [loaded.tokenizer.decode([i]) for i in range(loaded.tokenizer.get_vocab_size())] if share else None
+    regen = RegeneratedSampler(sampler, loaded.model, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows,
+                               temperature=temperature, cache=cache, reuse=a.resume, body_share=share,
+                               token_text=token_text)
     how = f"sampled at T = {temperature:g}" if temperature > 0 else "written"
     done = f"read back from {cache}" if regen.reused else f"in {time.perf_counter() - t0:.1f} s" + (
         f" (none read back: {regen.cache_note})" if regen.cache_note else "")
+    bodies = f"; {share:g} of the prompts end where a body starts" if share else ""
     print(f"regenerated {a.regen_windows} windows of {a.seq_len} tokens ({lo}-{hi} of text, the rest {how} by the "
-          f"target) {done}", file=sys.stderr)
+          f"target{bodies}) {done}", file=sys.stderr)
     return regen
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sysconfig
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import attrs
 
 from draftflow.core.errors import DraftflowError
 
+# A `def` / `class` header's line (a one-line signature, or the last line of a wrapped one that starts with def).
+_HEADER = re.compile(r"\s*(async\s+def|def|class)\s.*:\s*(#.*)?$")
+_TRIPLE = ('"""', "'''")
 # Folder names whose files are tests or test data, not ordinary library code.
 _TEST_DIRS = {"test", "tests", "testing", "idle_test", "unittests", "__pycache__"}
 _MAX_FILE_BYTES = 200_000  # larger files are mostly generated tables
@@ -151,3 +155,35 @@ class WindowSampler:
         if span <= 0:
             return [stream] if stream.numel() > 2 else []
         return [stream[int(i * span / max(1, count - 1)):][:length] for i in range(count)]
+
+
+def body_starts(stream, token_text: list[str]) -> list[int]:
+    """Positions i of the token stream after which a body starts: token i ends (holds the newline of) a `def` or
+    `class` header line, or a line that closes a triple-quoted string and ends with the quotes (a docstring),
+    outside any other triple-quoted string. `token_text[id]` is each token's decoded text.
+
+    These are where a HumanEval prompt ends (a signature and docstring; the model writes the body), the case
+    `draftflow train --regen-body-share` trains on.
+    """
+    out, line, inside, doc = [], [], False, False
+    for i, tok in enumerate(stream.tolist()):
+        text = token_text[tok]
+        if "\n" not in text:
+            line.append(text)
+            continue
+        parts = text.split("\n")
+        lines, line = ["".join(line) + parts[0], *parts[1:-1]], [parts[-1]]
+        hit = False
+        for full in lines:
+            stripped = full.strip()
+            quotes = sum(full.count(q) for q in _TRIPLE)
+            was_inside, inside = inside, inside != (quotes % 2 == 1)
+            starts_doc = stripped.lstrip("rRuU").startswith(_TRIPLE)  # a statement that is only a string
+            if inside and not was_inside:
+                doc = starts_doc  # a string opens here: a docstring if the line starts with it
+            closes = stripped.endswith(_TRIPLE) and not inside and ((was_inside and doc) or
+                                                                     (not was_inside and quotes >= 2 and starts_doc))
+            hit = hit or closes or (not inside and not was_inside and _HEADER.match(full) is not None)
+        if hit:
+            out.append(i)
+    return out
