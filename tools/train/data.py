@@ -17,7 +17,7 @@ import attrs
 
 from draftflow.core.errors import DraftflowError
 
-# A `def` / `class` header's line (a one-line signature, or the last line of a wrapped one that starts with def).
+# A `def` / `class` line ending in ':' (a wrapped signature's last line is not matched; its docstring's end is).
 _HEADER = re.compile(r"\s*(async\s+def|def|class)\s.*:\s*(#.*)?$")
 _TRIPLE = ('"""', "'''")
 # Folder names whose files are tests or test data, not ordinary library code.
