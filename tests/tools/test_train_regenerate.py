@@ -180,20 +180,30 @@ def test_sampled_regeneration_draws_from_the_targets_distribution(demo, stream):
     assert not torch.equal(a, regenerate(demo.model, prompts, SEQ))  # greedy
 
 
-def test_cli_regen_temperature_samples_and_is_checked(tmp_path):
-    """The CLI says the pool was sampled; a negative temperature, or one without --labels regenerate, is one error."""
-    base = ["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core", "--steps", "2",
+def _tiny_train(tmp_path) -> list:
+    """A 2-step `draftflow train dflash` on the demo target writing to tmp_path/d (add the options under test)."""
+    return ["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core", "--steps", "2",
             "--seq-len", "48", "--batch-size", "4", "--block-size", "4", "--layers", "1", "--anchors", "4",
             "--eval-every", "0", "--eval-windows", "1", "--save-every", "0", "--max-data-mb", "0.1", "--device", "cpu"]
-    r = run_cli(base + ["--labels", "regenerate", "--prompt-len", "12", "--regen-windows", "8", "--regen-temperature",
-                        "1"])
+
+
+@pytest.mark.parametrize(("flag", "good", "said", "bad", "refused"), [
+    ("--regen-temperature", "1", "(12-12 of text, the rest sampled at T = 1 by the target)", "-1",
+     "--regen-temperature -1.0: must be at least 0.0"),
+    ("--regen-body-share", "1", "(12-12 of text, the rest written by the target; 1 of the prompts end where a body "
+     "starts)", "2", "--regen-body-share 2.0: must be at most 1.0"),
+])
+def test_cli_regen_options_are_reported_and_checked(tmp_path, flag, good, said, bad, refused):
+    """The CLI's pool line says how the windows were made; a value out of range, or the option without --labels
+    regenerate, is one error line."""
+    base = _tiny_train(tmp_path)
+    r = run_cli(base + ["--labels", "regenerate", "--prompt-len", "12", "--regen-windows", "8", flag, good])
     assert r.returncode == 0, r.stderr
-    assert "regenerated 8 windows of 48 tokens (12-12 of text, the rest sampled at T = 1 by the target)" in r.stderr
-    bad = run_cli(base + ["--labels", "regenerate", "--regen-temperature", "-1", "--out", tmp_path / "e"])
-    assert bad.returncode != 0 and "--regen-temperature -1.0: must be at least 0.0" in bad.stderr, bad.stderr
-    assert "Traceback" not in bad.stderr
-    stray = run_cli(base + ["--regen-temperature", "1", "--out", tmp_path / "f"])
-    assert stray.returncode != 0 and "--regen-temperature applies to --labels regenerate only" in stray.stderr
+    assert f"regenerated 8 windows of 48 tokens {said}" in r.stderr
+    wrong = run_cli(base + ["--labels", "regenerate", flag, bad, "--out", tmp_path / "e"])
+    assert wrong.returncode != 0 and refused in wrong.stderr and "Traceback" not in wrong.stderr, wrong.stderr
+    stray = run_cli(base + [flag, "0.5", "--out", tmp_path / "f"])
+    assert stray.returncode != 0 and f"{flag} applies to --labels regenerate only" in stray.stderr
 
 
 def test_pool_cache_is_read_back_only_for_the_same_run(demo, stream, tmp_path):
@@ -298,20 +308,3 @@ def test_regenerated_prompts_end_where_a_body_starts(demo, stream):
     assert prompt_ends(half) >= 4 and prompt_ends(plain) < 4
     with pytest.raises(ValueError, match="body_share needs token_text"):
         RegeneratedSampler(WindowSampler(data, SEQ, seed=0), demo.model, (8, 20), windows=2, body_share=0.5)
-
-
-def test_cli_regen_body_share_is_reported_and_checked(tmp_path):
-    """The CLI says how many prompts end at a body start; a share above 1, or one without --labels regenerate, is one
-    error line."""
-    base = ["train", "dflash", "--target", DEMO, "--out", tmp_path / "d", "--data", ROOT / "core", "--steps", "2",
-            "--seq-len", "48", "--batch-size", "4", "--block-size", "4", "--layers", "1", "--anchors", "4",
-            "--eval-every", "0", "--eval-windows", "1", "--save-every", "0", "--max-data-mb", "0.1", "--device", "cpu"]
-    r = run_cli(base + ["--labels", "regenerate", "--prompt-len", "12", "--regen-windows", "8", "--regen-body-share",
-                        "1"])
-    assert r.returncode == 0, r.stderr
-    assert "(12-12 of text, the rest written by the target; 1 of the prompts end where a body starts)" in r.stderr
-    bad = run_cli(base + ["--labels", "regenerate", "--regen-body-share", "2", "--out", tmp_path / "e"])
-    assert bad.returncode != 0 and "--regen-body-share 2.0: must be at most 1.0" in bad.stderr, bad.stderr
-    assert "Traceback" not in bad.stderr
-    stray = run_cli(base + ["--regen-body-share", "0.5", "--out", tmp_path / "f"])
-    assert stray.returncode != 0 and "--regen-body-share applies to --labels regenerate only" in stray.stderr
