@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 # the whole step (2-core machine, demo target of 4 MiB: 1 thread 500-1060 tok/s, 2 threads
 # 5-35; the issue's idle run: 912 on 1 thread, 800-900 on 2). Bigger targets get the
 # physical cores; on a shared machine pass --threads 1 (100M params, 2 busy cores: 1 thread
-# 14-31 tok/s, 2 threads 6-10).
+# 14-31 tok/s, 2 threads 6-10). The size counts as float32 (4 bytes a weight): what the rule
+# weighs is the products' work, which a 16-bit graph does not halve (the 17M demo target in
+# bfloat16, 34 MB, HumanEval 12 prompts: 1 thread 88.5 / DFlash 147.8 tok/s, 2 threads 120.0 /
+# 210.8, docs/BENCHMARKS.md 2026-12-04).
 SMALL_TARGET_BYTES = 64 << 20
 
 
@@ -47,9 +50,10 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def default_threads(device_type: str, target_bytes: int) -> int:
-    """Torch threads when neither --threads nor OMP_NUM_THREADS says: 1 for a small CPU target, else the physical cores."""
-    if device_type == "cpu" and target_bytes < SMALL_TARGET_BYTES:
+def default_threads(device_type: str, target_bytes: int, itemsize: int = 4) -> int:
+    """Torch threads when neither --threads nor OMP_NUM_THREADS says: 1 for a small CPU target (its bytes at
+    `itemsize` per value, counted as float32), else the physical cores."""
+    if device_type == "cpu" and target_bytes * 4 // itemsize < SMALL_TARGET_BYTES:
         return 1
     return physical_cores()
 
@@ -231,7 +235,8 @@ class Session:
         trace_path = check_trace_path(trace, graph_input + cls.inputs(plan)) if trace else None
         executor = mirror.make_executor(plan, hook=registry.pm.hook)
         if threads is None and "OMP_NUM_THREADS" not in os.environ:
-            threads = default_threads(executor.device.type, executor.measured.get(executor.target, 0))
+            threads = default_threads(executor.device.type, executor.measured.get(executor.target, 0),
+                                      executor.dtype.itemsize)
         if threads is not None:
             import torch
 
