@@ -463,6 +463,14 @@ def best_tiles(totals: dict) -> dict:
     return tiles
 
 
+def stages_pair(text: str) -> tuple[int, int]:
+    """--stages ROWS,WINDOW: two positive integers."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give two positive integers, e.g. 1,1")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/gpu_quant", help="folder for results.json")
@@ -481,7 +489,7 @@ def main() -> int:
                    "at each (rows a step, register cap) of ROWS_SWEEP")
     p.add_argument("--stages-sweep", action="store_true", help="also the rows kernel and the 16-row repacked GEMV "
                    "with loop steps in flight (STAGES_SWEEP, WINDOW_STAGES)")
-    p.add_argument("--stages", help="ROWS,WINDOW: loop steps in flight of the one-row rows kernel and of the "
+    p.add_argument("--stages", type=stages_pair, help="ROWS,WINDOW: loop steps in flight of the one-row rows kernel and of the "
                    "repacked split-K kernel (windows) for this run's decode (defaults: the modules' STAGES)")
     p.add_argument("--gemv-all", action="store_true", help="also the bf16 step with every one-row product through "
                    "layers/gemv.py's kernel (q/k/v, gate/up, down too), chained by PDL")
@@ -501,7 +509,7 @@ def main() -> int:
     if a.stages:
         from draftflow.layers import quant_gemv_repacked, quant_gemv_rows
 
-        rows_stages, window_stages = (int(v) for v in a.stages.split(","))
+        rows_stages, window_stages = a.stages
         quant_gemv_rows.STAGES = dict.fromkeys(quant_gemv_rows.STAGES, rows_stages)
         quant_gemv_repacked.STAGES = window_stages
     res = run(a)

@@ -26,3 +26,11 @@ def test_tiny_run_measures_the_dflash_cycle_on_a_quantized_target(tmp_path):
     d = configs["q8_0+r"]["dflash"]
     assert d["cycles"] > 0 and d["tokens_per_cycle"] >= 1 and d["cycle_in_target_steps"] > 0
     assert "q8_0+r: DFlash cycle (" in run.stdout
+
+
+def test_a_malformed_stages_pair_is_one_error_line(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_quant.py"), "--tiny", "--stages", "3",
+                          "--out", str(tmp_path / "q")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith("argument --stages: '3': give two positive integers, e.g. 1,1")
+    assert not (tmp_path / "q").exists()
