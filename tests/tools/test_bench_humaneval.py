@@ -12,7 +12,7 @@ from helpers import SMALL_PAIR
 
 from draftflow.plugins.dflash.dflash2_config import DFlash2Config
 from draftflow.plugins.target.hf_loader import load_hf
-from draftflow.tools.bench_humaneval import demo_configs, main
+from draftflow.tools.bench_humaneval import demo_configs, main, same_outputs
 from draftflow.tools.dflash_peer import unavailable
 from draftflow.tools.train.dflash2_recipe import DFlash2Recipe, init_backbone_config, new_drafter
 
@@ -30,6 +30,19 @@ def test_benchmark_runs_on_a_few_prompts(tmp_path, capsys):
     assert results["target only @ T=0"]["tau"] == 1.0 and results["target only @ T=0"]["speedup"] == 1.0
     assert results["MTP @ T=0"]["tau"] >= 1.0 and results["DFlash @ T=1"]["drafted"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    # Greedy rows repeat the target-only row's tokens on every prompt (float32); sampled rows are not compared.
+    greedy = [k for k in results if k.endswith("@ T=0")]
+    assert {results[k]["same_as_target"] for k in greedy} == {"2/2"}, results
+    assert not any("same_as_target" in results[k] for k in results if k.endswith("@ T=1"))
+    assert "outputs" not in results["DFlash @ T=0"]
+
+
+def test_same_outputs_counts_prompts_that_differ():
+    """The same-tokens count is per prompt: one differing token makes the prompt differ."""
+    assert same_outputs([[1, 2], [3, 4]], [[1, 2], [3, 4]]) == "2/2"
+    assert same_outputs([[1, 2], [3, 5]], [[1, 2], [3, 4]]) == "1/2"
+    with pytest.raises(ValueError):
+        same_outputs([[1, 2]], [[1, 2], [3, 4]])
 
 
 @pytest.fixture(scope="module")
