@@ -295,7 +295,7 @@ def cmd_generate(args) -> int:
         s = result.stats
         threads = f", {session.threads} thread{'s' if session.threads != 1 else ''}" if session.threads else ""
         print(f"[{len(result.token_ids)} tokens, {s['cycles']} cycles, tau {s['tau']:.2f}, acceptance {s['acceptance_rate']:.2f}, "
-              f"{s['tokens_per_s']:.1f} tok/s{threads}, finish: {result.finish_reason}{_compared(compared, sampling)}]",
+              f"{s['tokens_per_s']:.1f} tok/s{threads}, {session.plan.spec.dtype}, finish: {result.finish_reason}{_compared(compared, sampling)}]",
               file=sys.stderr)
     return 0
 

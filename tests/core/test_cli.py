@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import toy_plugins
 from helpers import FIXTURES, run_cli
@@ -112,3 +113,14 @@ def test_generate_processor_flags_reach_the_engine(tmp_path):
     assert plain.returncode == 0, plain.stderr
     lines = plain.stdout.splitlines()[-5:]
     assert [line.split()[0] for line in lines] == ["0", "1", "2", "3", "4"] and all(" | " in line for line in lines)
+
+
+def test_generate_summary_names_the_dtype_it_ran():
+    """The summary line says which dtype ran: float32 by default, the --dtype override when given."""
+    from helpers import ROOT
+
+    for flags, dtype in (([], "float32"), (["--dtype", "bfloat16"], "bfloat16")):
+        r = run_cli(["generate", "--graph", ROOT / "graphs" / "default.yaml", "--prompt-ids", "1,2,3",
+                     "--max-new-tokens", "4", *flags])
+        assert r.returncode == 0, r.stderr
+        assert re.search(rf" tok/s(, \d+ threads?)?, {dtype}, finish: length\]", r.stderr), r.stderr
