@@ -79,7 +79,7 @@ class DFlashAttention(nn.Module):
         """Rotated, normed queries, each KV head's query group folded into the rows (attend_prefix's layout)."""
         # x: [B, W, H]; returns [B, KVH, G*W, D] (row g*W + w)
         b, w, _ = x.shape
-        q = rotate(self.q_norm(_linear(self.q_proj, x).view(b, w, self.num_heads, self.head_dim)), cos, sin)
+        q = rotate(self.q_norm(self.q_proj(x).view(b, w, self.num_heads, self.head_dim)), cos, sin)
         g = self.num_heads // self.num_kv_heads
         q = q.view(b, w, self.num_kv_heads, g, self.head_dim).permute(0, 2, 3, 1, 4)
         return q.reshape(b, self.num_kv_heads, g * w, self.head_dim)
@@ -130,7 +130,7 @@ class DFlashModel(nn.Module):
         """
         # features: [B, C, n_taps*H]; block: [B, W', H] (target embeddings of [anchor, MASK...], scaled)
         # kv: [L, 2, B, capacity, KVH, D] or None; returns [B, W', H] or None
-        ctx = self.hidden_norm(_linear(self.fc, features))  # [B, C, H]; shared by all layers, never input-normed
+        ctx = self.hidden_norm(self.fc(features))  # [B, C, H]; shared by all layers, never input-normed
         x, c = block, ctx.shape[1]
         # With a block, the context and block rows share each layer's k/v projections: one [C+W', H] product
         # each instead of two small ones (on CUDA, fp32 [16, H] x [H, KVH*D] products hit a slow cuBLAS kernel).
@@ -156,7 +156,7 @@ class DFlashModel(nn.Module):
                 _store(kv[i, 1], window.block_pos, blk_cells, values[:, c:])
                 keys, values = kv[i, 0, :, :window.keys], kv[i, 1, :, :window.keys]  # [B, S, KVH, D]
             out = attend_prefix(attn.folded_queries(h, cos_b, sin_b), keys, values, window.masks[i], h.shape[1])
-            x = x + _finish(layer.attention_conv, _linear(attn.o_proj, out), attn_state)
+            x = x + _finish(layer.attention_conv, attn.o_proj(out), attn_state)
             u, mlp_state = _prepare(layer.mlp_conv, layer.post_attention_layernorm(x), window.width)
             x = x + _finish(layer.mlp_conv, layer.mlp(u), mlp_state)
         return None if x is None else self.norm(x)
@@ -285,11 +285,6 @@ def fold_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype | None) -> 
     if dtype is not None:
         visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     return torch.cat([visible] * groups, dim=-2) if groups > 1 else visible
-
-
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` as `cpu_linear` computes it (oneDNN for the block's float32 CPU products; F.linear elsewhere)."""
-    return cpu_linear.linear(x, layer.weight, layer.bias)
 
 
 def _joined(context_pos: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
