@@ -407,14 +407,14 @@ class Executor:
         """
         values: dict[tuple[str, str], Any] = {}
         first = [i for i, r in batch.active() if r.cycle == 0]
+        mark = self._timer.start()  # each node's end mark starts the next node's interval
         for name in self.order:
             inputs = {e.dst_port: ([r.carried.get((e.src, e.src_port)) if r is not None else None for r in batch.rows]
                                    if e.carried else values.get((e.src, e.src_port)))
                       for e in self.plan.inputs_of(name)}
             versions = buffer_versions(self.owned, name) if self.debug else None
-            t0 = self._timer.start()
             out = self.nodes[name].step(batch, inputs) or {}
-            self._timer.stop(self.roles[name], t0)
+            mark = self._timer.stop(self.roles[name], mark)
             if first and name == self.target:
                 check_finite(self.plan, self.target, out, first)
             if versions is not None:

@@ -98,21 +98,32 @@ class CycleResult:
 
 
 class CycleTimer:
-    """Per-node timings: CUDA events on the GPU (read after the cycle's one sync), perf_counter on CPU."""
+    """Per-node timings: CUDA events on the GPU (read after the cycle's one sync), perf_counter on CPU.
+
+    A cycle's nodes run back to back, so each node's end mark is the next one's start (`stop`
+    returns it): N nodes record N + 1 events, not 2N. Events are recorded on the current stream of
+    the executor's own device, named by index (`torch.cuda.current_stream()` without one resolves
+    the current device through several Python checks on every call: ~20% of a small model's host
+    time per token on the H200 under cProfile, docs/BENCHMARKS.md 2026-12-04).
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
         self.marks: list[tuple[str, Any, Any]] = []
 
     def start(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.index))
             return ev
         return time.perf_counter()
 
-    def stop(self, role: str, begin) -> None:
-        self.marks.append((role, begin, self.start()))
+    def stop(self, role: str, begin):
+        """Close `role`'s interval from `begin`; returns the end mark, the next node's start."""
+        end = self.start()
+        self.marks.append((role, begin, end))
+        return end
 
     def elapsed_ms(self, begin, end) -> float:
         if self.cuda:
