@@ -134,7 +134,15 @@ def _plane(words, high, magic, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(b8_ptr, h_ptr, rowb, units, goff, soff, live, QTYPE: tl.constexpr):
+def _halves(word):
+    # a 4-byte word holding two little-endian float16 values -> (low, high) as float32
+    low = (word & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _group_scales(w_ptr, b8_ptr, h_ptr, rowb, units, goff, soff, live, QTYPE: tl.constexpr, PAIRED: tl.constexpr):
     # rowb: [BN, 1] byte offset of each row; units: [1, U]; -> (s, o) [BN, U] float32 of each unit's group
     # (QTYPE: quant_repack.RTYPES order; 4-bit types have one group a unit, 8-bit ones half a group, Q6_K one)
     hrow = rowb // 2
@@ -144,17 +152,27 @@ def _group_scales(b8_ptr, h_ptr, rowb, units, goff, soff, live, QTYPE: tl.conste
     elif QTYPE == 1:  # Q4_0
         s = tl.load(h_ptr + (hrow + goff // 2) + units, mask=live, other=0.0).to(tl.float32)
         o = s * -8.0
-    elif QTYPE == 2 or QTYPE == 4:  # Q4_1 (a unit a group), Q5_1 (2 units a group): d, m
+    elif QTYPE == 2 or QTYPE == 4:  # Q4_1 (a unit a group), Q5_1 (2 units a group): d, m (one 4-byte load)
         g = units if QTYPE == 2 else units // 2
-        s = tl.load(h_ptr + (hrow + goff // 2) + 2 * g, mask=live, other=0.0).to(tl.float32)
-        o = tl.load(h_ptr + (hrow + goff // 2) + 2 * g + 1, mask=live, other=0.0).to(tl.float32)
+        if PAIRED:
+            s, o = _halves(tl.load(w_ptr + (rowb // 4 + goff // 4) + g, mask=live, other=0))
+        else:
+            s = tl.load(h_ptr + (hrow + goff // 2) + 2 * g, mask=live, other=0.0).to(tl.float32)
+            o = tl.load(h_ptr + (hrow + goff // 2) + 2 * g + 1, mask=live, other=0.0).to(tl.float32)
     elif QTYPE == 5 or QTYPE == 6:  # Q4_K (8 units a super-block), Q5_K (16): sc, m bytes; d, dmin per 256
         g = units if QTYPE == 5 else units // 2
-        sup = g // 8
-        sc = _f32(tl.load(b8_ptr + (rowb + goff) + 2 * g, mask=live, other=0).to(tl.int32))
-        mn = _f32(tl.load(b8_ptr + (rowb + goff) + 2 * g + 1, mask=live, other=0).to(tl.int32))
-        d = tl.load(h_ptr + (hrow + soff // 2) + 2 * sup, mask=live, other=0.0).to(tl.float32)
-        dmin = tl.load(h_ptr + (hrow + soff // 2) + 2 * sup + 1, mask=live, other=0.0).to(tl.float32)
+        if PAIRED:  # two loads, not four: (sc, m) as one 2-byte load, (d, dmin) as one 4-byte load
+            pair = tl.load(h_ptr + (hrow + goff // 2) + g, mask=live, other=0.0).to(tl.int16, bitcast=True)
+            pair = pair.to(tl.int32)
+            d, dmin = _halves(tl.load(w_ptr + (rowb // 4 + soff // 4) + g // 8, mask=live, other=0))
+            sc = _f32(pair & 255)
+            mn = _f32((pair >> 8) & 255)
+        else:
+            sup = g // 8
+            sc = _f32(tl.load(b8_ptr + (rowb + goff) + 2 * g, mask=live, other=0).to(tl.int32))
+            mn = _f32(tl.load(b8_ptr + (rowb + goff) + 2 * g + 1, mask=live, other=0).to(tl.int32))
+            d = tl.load(h_ptr + (hrow + soff // 2) + 2 * sup, mask=live, other=0.0).to(tl.float32)
+            dmin = tl.load(h_ptr + (hrow + soff // 2) + 2 * sup + 1, mask=live, other=0.0).to(tl.float32)
         s = d * sc
         o = -(dmin * mn)
     else:  # Q6_K: int8 sc per 16 weights = 1 unit, d per 256
@@ -174,11 +192,14 @@ def _widen(x):
 
 
 @triton.jit
-def _step(wrow, b8_ptr, h_ptr, rowb, units, live_u, goff, soff, QTYPE: tl.constexpr):
-    # one loop step's weights: words [BN, U, 4] int32 (one 16-byte load per row and thread) and (s, o) [BN, U]
+def _step(w_ptr, wrow, b8_ptr, h_ptr, rowb, units, live_u, goff, soff, QTYPE: tl.constexpr,
+          PAIRED: tl.constexpr = False):
+    # one loop step's weights: words [BN, U, 4] int32 (one 16-byte load per row and thread) and (s, o) [BN, U];
+    # PAIRED: a group's scale fields in fewer, wider loads (the windows' tl.dot path; the one-row paths measured
+    # slower with it, docs/GGUF.md 2026-12-05)
     wi = tl.arange(0, 4)
     words = tl.load(wrow + (units[None, :, None] * 4 + wi[None, None, :]), mask=live_u[None, :, None], other=0)
-    s, o = _group_scales(b8_ptr, h_ptr, rowb, units[None, :], goff, soff, live_u[None, :], QTYPE)
+    s, o = _group_scales(w_ptr, b8_ptr, h_ptr, rowb, units[None, :], goff, soff, live_u[None, :], QTYPE, PAIRED)
     return words, s, o
 
 
@@ -215,15 +236,18 @@ def _gemv_kernel(
     else:
         acc3 = tl.zeros([BLOCK_N, U], dtype=tl.float32)
     if PREFETCH:
-        words_n, s_n, o_n = _step(wrow, b8_ptr, h_ptr, rowb, first + ui, (first + ui) < last, goff, soff, QTYPE)
+        words_n, s_n, o_n = _step(w_ptr, wrow, b8_ptr, h_ptr, rowb, first + ui, (first + ui) < last, goff, soff,
+                                  QTYPE, USE_DOT)
     for u0 in tl.range(first, last, U, num_stages=STAGES):
         units = u0 + ui  # [U]
         live_u = (units < last) | EVEN
         if PREFETCH:  # this step's tile was loaded during the previous step; load the next one now
             words, s, o = words_n, s_n, o_n
-            words_n, s_n, o_n = _step(wrow, b8_ptr, h_ptr, rowb, units + U, (units + U) < last, goff, soff, QTYPE)
+            words_n, s_n, o_n = _step(w_ptr, wrow, b8_ptr, h_ptr, rowb, units + U, (units + U) < last, goff, soff,
+                                      QTYPE, USE_DOT)
         else:
-            words, s, o = _step(wrow, b8_ptr, h_ptr, rowb, units, live_u, goff, soff, QTYPE)  # [BN, U, 4], [BN, U]
+            # [BN, U, 4], [BN, U]
+            words, s, o = _step(w_ptr, wrow, b8_ptr, h_ptr, rowb, units, live_u, goff, soff, QTYPE, USE_DOT)
         high = words >> (12 if BITS == 4 else 16)
         if USE_DOT:
             live_c = ((u0 + c // 4) < last) | EVEN
@@ -293,7 +317,8 @@ def _dequant_kernel(w_ptr, b8_ptr, h_ptr, out_ptr, N, K, row_words, goff, soff, 
     live_u = units < n_units
     words = tl.load(w_ptr + rw[:, None, None] + (units[None, :, None] * 4 + wi[None, None, :]),
                     mask=live_u[None, :, None], other=0)
-    s, o = _group_scales(b8_ptr, h_ptr, (rw * 4)[:, None], units[None, :], goff, soff, live_u[None, :], QTYPE)
+    s, o = _group_scales(w_ptr, b8_ptr, h_ptr, (rw * 4)[:, None], units[None, :], goff, soff, live_u[None, :],
+                         QTYPE, False)
     high = words >> (12 if BITS == 4 else 16)
     live = (rows[:, None, None] < N) & live_u[None, :, None]
     orow = out_ptr + safe.to(tl.int64)[:, None, None] * K

@@ -94,8 +94,8 @@ def _gemv_rows_kernel(
     for r0 in tl.range(first, last, BLOCK_N, num_stages=STAGES):
         rows = r0 + tl.arange(0, BLOCK_N)
         rw = tl.minimum(rows, N - 1).to(tl.int64) * row_words  # [BN] the row's first word
-        words, s, o = _step(w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u, goff, soff,
-                            QTYPE)  # [BN, U, 4], [BN, U]
+        words, s, o = _step(w_ptr, w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u, goff,
+                            soff, QTYPE)  # [BN, U, 4], [BN, U]
         high = words >> (12 if BITS == 4 else 16)
         t = x0[None, :, :] * _plane(words, high, magic, 0, BITS)
         t += x1[None, :, :] * _plane(words, high, magic, 1, BITS)
