@@ -96,7 +96,7 @@ def test_layout_units_and_bytes_per_weight():
     assert qr.row_bytes("Q4_K", 4096) == 2368 and LAYOUT["Q4_K"][1] * 16 == 2304
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_1", "Q5_K"])
 def test_gemv_rows_and_prefill_path_match_reference(qtype):
     """1 row (factored multiply-adds), 3, 5, 16 (tensor-core dots) and 33 rows, and 70 (dequantize + matmul); at the
     interpreter's wide tile and at the GPU's."""
