@@ -65,6 +65,9 @@ ROWS_SWEEP = ((4, None), (8, None), (16, None), (16, 128), (8, 96))
 # default, stages), and for the 16-row window's kernel (quant_gemv_repacked, its plan's tile)
 STAGES_SWEEP = ((None, 2), (None, 3), (None, 4), (16, 2), (4, 4))
 WINDOW_STAGES = (2, 3, 4)
+# --int8-sweep: (rows a step or None for the default, int8 terms) of the rows kernel with 16-bit activations: float
+# multiply-adds (0) against the activations as one or two int8 terms with dp4a (layers/quant_gemv_rows.py)
+INT8_SWEEP = ((None, 0), (8, 0), (None, 1), (8, 1), (8, 2), (16, 2), (32, 2), (32, 1))
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -286,13 +289,16 @@ def repacked_cells(x, blocks, qtype: str, old: dict, reps: int, a) -> dict:
     if m == 1:  # the activation-stationary one-row kernel (layers/quant_gemv_rows.py), which `gemv` picks at one row
         from draftflow.layers import quant_gemv_rows
 
-        variants = [(None, None, None)] + ([(bn, cap, None) for bn, cap in ROWS_SWEEP] if a.rows_sweep else []) \
-            + ([(bn, None, st) for bn, st in STAGES_SWEEP] if a.stages_sweep else [])
-        for bn, cap, st in variants:
-            run_rows = lambda: quant_gemv_rows.gemv(x, packed, qtype, block_n=bn, maxnreg=cap, stages=st)  # noqa: E731
+        variants = [(None, None, None, None)] \
+            + ([(bn, cap, None, None) for bn, cap in ROWS_SWEEP] if a.rows_sweep else []) \
+            + ([(bn, None, st, None) for bn, st in STAGES_SWEEP] if a.stages_sweep else []) \
+            + ([(bn, None, None, t) for bn, t in INT8_SWEEP] if a.int8_sweep else [])
+        for bn, cap, st, t in variants:
+            run_rows = lambda: quant_gemv_rows.gemv(x, packed, qtype, block_n=bn, maxnreg=cap, stages=st,  # noqa: E731
+                                                    int8=t)
             ms = kernel_ms(run_rows, reps, a.rounds)
             tag = ("" if bn is None else f" {bn} rows/step") + (f", maxnreg {cap}" if cap else "") \
-                + (f", {st} stages" if st else "")
+                + (f", {st} stages" if st else "") + ("" if t is None else f", int8 x{t}")
             cells[f"{qtype} rows kernel m=1{tag}"] = {"us": ms * 1e3, "GBps": packed.nbytes / ms / 1e6,
                                                       "file_GBps": blocks.nbytes / ms / 1e6,
                                                       "speedup": old["us"] / (ms * 1e3),
@@ -377,6 +383,7 @@ def run(a) -> dict:
     from draftflow.layers import quant_gemv_repacked, quant_gemv_rows
 
     res.save("stages", {"rows kernel": quant_gemv_rows.STAGES, "split-K kernel": quant_gemv_repacked.STAGES})
+    res.save("int8_terms", quant_gemv_rows.INT8_TERMS)
     bw = gt.copy_bandwidth()
     res.save("copy_TBps", bw)
     cfg = TargetConfig.from_hf_dict(TINY if a.tiny else gt.QWEN3_8B, "qwen3-8b-shapes")
@@ -491,6 +498,10 @@ def main() -> int:
                    "with loop steps in flight (STAGES_SWEEP, WINDOW_STAGES)")
     p.add_argument("--stages", type=stages_pair, help="ROWS,WINDOW: loop steps in flight of the one-row rows kernel and of the "
                    "repacked split-K kernel (windows) for this run's decode (defaults: the modules' STAGES)")
+    p.add_argument("--int8-sweep", action="store_true", help="also the rows kernel at each (rows a step, int8 "
+                   "terms) of INT8_SWEEP")
+    p.add_argument("--int8", type=int, choices=(0, 1, 2), help="the one-row products' int8 activation terms for the "
+                   "whole run (quant_gemv_rows.INT8_TERMS; 0: float multiply-adds)")
     p.add_argument("--gemv-all", action="store_true", help="also the bf16 step with every one-row product through "
                    "layers/gemv.py's kernel (q/k/v, gate/up, down too), chained by PDL")
     p.add_argument("--no-projections", dest="projections", action="store_false",
@@ -512,6 +523,10 @@ def main() -> int:
         rows_stages, window_stages = a.stages
         quant_gemv_rows.STAGES = dict.fromkeys(quant_gemv_rows.STAGES, rows_stages)
         quant_gemv_repacked.STAGES = window_stages
+    if a.int8 is not None:
+        from draftflow.layers import quant_gemv_rows
+
+        quant_gemv_rows.INT8_TERMS = a.int8
     res = run(a)
     print(table(res))
     return 0

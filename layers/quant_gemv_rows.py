@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from draftflow.layers.quant_gemv_repacked import MAGIC, _CODE, _plane, _step, _views, _widen
+from draftflow.layers.quant_kernels import _INTERPRETED
 from draftflow.layers.quant_repack import SPEC
 from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters, multiprocessors, pdl, pdl_enter
 
@@ -45,6 +46,12 @@ WARPS = 4
 # loop steps in flight (tl.range's software pipelining: the codes arrive by cp.async into shared memory); 1: none. By
 # bits per code. On the H200 (Triton 3.6) every value above 1 measured slower (docs/GGUF.md, 2026-12-04)
 STAGES = {4: 1, 8: 1}
+# 16-bit activations: the codes' products as integer dot products (dp4a, 4 multiply-adds an instruction) with the
+# activations quantized per unit in the kernel, as INT8_TERMS int8 terms (llama.cpp's MMVQ uses one; two keep the
+# activations to 2^-16 of the unit's largest, finer than their own bf16 rounding); 0: float multiply-adds
+INT8_TERMS = 2
+INT8_QTYPES = QTYPES
+INT8_BLOCK_N = {4: 16, 8: 16}  # rows a loop step with int8 activations, by bits per code (sm_90: 48 / 40 registers)
 PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
 
 
@@ -57,13 +64,49 @@ def rows_per_program(n: int, chunks: int, sms: int) -> int:
     return rows
 
 
+LOW = tl.constexpr(254)  # a second int8 term's weight: x ~ dx * (q1 + q2 / LOW), |q2| <= 127
+
+
+@triton.jit
+def _int8(y):
+    # float32 y, |y| <= 127 (up to rounding) -> the nearest integer in [-127, 127] as int32
+    return tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0).to(tl.int32)
+
+
+@triton.jit
+def _int8_pack(y0, y1, y2, y3, TERMS: tl.constexpr):
+    # four [U, 4] float32 tensors scaled to [-127, 127] -> (q1, q2): int32 words of 4 int8 bytes (byte b from y_b);
+    # q1 the nearest integers, q2 (TERMS 2) the remainders y - q1 in units of 1 / LOW
+    a0, a1, a2, a3 = _int8(y0), _int8(y1), _int8(y2), _int8(y3)
+    q1 = (a0 & 255) | ((a1 & 255) << 8) | ((a2 & 255) << 16) | ((a3 & 255) << 24)
+    q2 = q1
+    if TERMS == 2:
+        b0, b1 = _int8((y0 - a0) * LOW), _int8((y1 - a1) * LOW)
+        b2, b3 = _int8((y2 - a2) * LOW), _int8((y3 - a3) * LOW)
+        q2 = (b0 & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | ((b3 & 255) << 24)
+    return q1, q2
+
+
+@triton.jit
+def _dp4a(codes, acts, acc, NATIVE: tl.constexpr):
+    # acc + the 4 bytes of `codes` (unsigned) times the 4 bytes of `acts` (signed), summed: one dp4a on the GPU
+    if NATIVE:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [codes, tl.broadcast_to(acts, codes.shape), acc + tl.zeros_like(codes)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    total = acc + tl.zeros_like(codes)
+    for b in tl.static_range(4):  # (the interpreter) the same sum, byte by byte
+        total += ((codes >> (8 * b)) & 255) * ((((acts >> (8 * b)) & 255) ^ 128) - 128)
+    return total
+
+
 @triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, row_words, goff, soff, n_units, ROWS,
     magic,
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr, EVEN: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, INT8: tl.constexpr = 0, NATIVE: tl.constexpr = True,
 ):
     # x: [K]; w / b8 / h: the repacked rows (one tensor, three views); out: [N]; part: [chunks, N] float32; count:
     # one zero per row range. Program (g, c): rows g*ROWS .. over units c*U .. c*U + U - 1. DIRECT (one chunk):
@@ -89,6 +132,20 @@ def _gemv_rows_kernel(
         x7 = _widen(tl.load(x_ptr + xo + 28, mask=lx, other=0.0))
         xs += x4 + x5 + x6 + x7
     xsum = tl.sum(xs, axis=1)  # [U]: the unit's activations summed (the offset o's factor)
+    if INT8 > 0:  # the unit's activations as INT8 int8 terms, 4 to a word in the order of the codes' bytes
+        amax = tl.maximum(tl.abs(x0), tl.abs(x1))
+        amax = tl.maximum(amax, tl.maximum(tl.abs(x2), tl.abs(x3)))
+        if BITS == 4:
+            amax = tl.maximum(amax, tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+        amax = tl.max(amax, axis=1)  # [U]
+        inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)[:, None]  # x * inv in [-127, 127]
+        dx = amax / (127.0 if INT8 == 1 else 127.0 * LOW)  # [U]: the unit's step of an integer sum
+        if BITS == 4:  # word i's low nibbles are fields 0, 2, 4, 6 (weights i, 8 + i, ...), its high ones 1, 3, 5, 7
+            xa_lo, xb_lo = _int8_pack(x0 * inv, x2 * inv, x4 * inv, x6 * inv, INT8)
+            xa_hi, xb_hi = _int8_pack(x1 * inv, x3 * inv, x5 * inv, x7 * inv, INT8)
+        else:  # word i's bytes are fields 0..3
+            xa_lo, xb_lo = _int8_pack(x0 * inv, x1 * inv, x2 * inv, x3 * inv, INT8)
+            xa_hi, xb_hi = xa_lo, xb_lo
     first = tl.program_id(0) * ROWS
     last = tl.minimum(first + ROWS, N)
     for r0 in tl.range(first, last, BLOCK_N, num_stages=STAGES):
@@ -96,19 +153,38 @@ def _gemv_rows_kernel(
         rw = tl.minimum(rows, N - 1).to(tl.int64) * row_words  # [BN] the row's first word
         words, s, o = _step(w_ptr, w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u, goff,
                             soff, QTYPE)  # [BN, U, 4], [BN, U]
-        high = words >> (12 if BITS == 4 else 16)
-        t = x0[None, :, :] * _plane(words, high, magic, 0, BITS)
-        t += x1[None, :, :] * _plane(words, high, magic, 1, BITS)
-        t += x2[None, :, :] * _plane(words, high, magic, 2, BITS)
-        t += x3[None, :, :] * _plane(words, high, magic, 3, BITS)
-        if BITS == 4:
-            t += x4[None, :, :] * _plane(words, high, magic, 4, BITS)
-            t += x5[None, :, :] * _plane(words, high, magic, 5, BITS)
-            t += x6[None, :, :] * _plane(words, high, magic, 6, BITS)
-            t += x7[None, :, :] * _plane(words, high, magic, 7, BITS)
+        if INT8 > 0:  # integer dot products of the codes with the int8 activations, 4 a dp4a
+            if BITS == 4:
+                lo = words & 0x0F0F0F0F
+                hi = (words >> 4) & 0x0F0F0F0F
+            else:
+                lo = words
+                hi = words
+            i1 = _dp4a(lo, xa_lo[None, :, :], 0, NATIVE)
+            if BITS == 4:
+                i1 = _dp4a(hi, xa_hi[None, :, :], i1, NATIVE)
+            isum = tl.sum(i1, axis=2)
+            if INT8 == 2:
+                i2 = _dp4a(lo, xb_lo[None, :, :], 0, NATIVE)
+                if BITS == 4:
+                    i2 = _dp4a(hi, xb_hi[None, :, :], i2, NATIVE)
+                isum = isum * LOW + tl.sum(i2, axis=2)
+            ts = isum.to(tl.float32) * dx[None, :]  # [BN, U]
+        else:
+            high = words >> (12 if BITS == 4 else 16)
+            t = x0[None, :, :] * _plane(words, high, magic, 0, BITS)
+            t += x1[None, :, :] * _plane(words, high, magic, 1, BITS)
+            t += x2[None, :, :] * _plane(words, high, magic, 2, BITS)
+            t += x3[None, :, :] * _plane(words, high, magic, 3, BITS)
+            if BITS == 4:
+                t += x4[None, :, :] * _plane(words, high, magic, 4, BITS)
+                t += x5[None, :, :] * _plane(words, high, magic, 5, BITS)
+                t += x6[None, :, :] * _plane(words, high, magic, 6, BITS)
+                t += x7[None, :, :] * _plane(words, high, magic, 7, BITS)
+            ts = tl.sum(t, axis=2)
         # [BN, U]: the row's sum over the lanes in every lane; lane 0 stores it (kept in the tile's layout: no trip
         # through shared memory)
-        acc = tl.sum(tl.sum(t, axis=2) * s + o * xsum[None, :], axis=1, keep_dims=True) + tl.zeros_like(s)
+        acc = tl.sum(ts * s + o * xsum[None, :], axis=1, keep_dims=True) + tl.zeros_like(s)
         at = rows[:, None] + ui[None, :] * 0
         live = (rows < last)[:, None] & (ui == 0)[None, :]
         if DIRECT:
@@ -134,6 +210,12 @@ def _gemv_rows_kernel(
             tl.store(count_ptr + tl.program_id(0), 0)  # ready for the next launch (or graph replay)
 
 
+def int8_terms(x: torch.Tensor, qtype: str) -> int:
+    """The int8 terms the one-row product of `x` takes: INT8_TERMS for 16-bit activations of INT8_QTYPES, else 0
+    (float32 activations keep exact float multiply-adds: the lossless tests' dtype)."""
+    return INT8_TERMS if x.dtype in (torch.bfloat16, torch.float16) and qtype in INT8_QTYPES else 0
+
+
 def fits(x: torch.Tensor, packed: torch.Tensor, qtype: str, out: torch.Tensor | None) -> bool:
     """Whether this kernel takes the product: ON and a type of QTYPES, one row, a contiguous output row, few enough
     row ranges."""
@@ -143,18 +225,22 @@ def fits(x: torch.Tensor, packed: torch.Tensor, qtype: str, out: torch.Tensor | 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, rows: int | None = None, block_n: int | None = None,
-         maxnreg: int | None = None, stages: int | None = None) -> torch.Tensor:  # [1, N] in x.dtype
+         maxnreg: int | None = None, stages: int | None = None, int8: int | None = None) -> torch.Tensor:  # [1, N]
     """x [1, K] @ W^T (+ bias) for repacked rows `packed` [N, row bytes]; `rows` per program (None: by the grid),
     `block_n` rows a loop step (None: BLOCK_N by bits), `maxnreg` a register cap for ptxas, `stages` loop steps in
-    flight (None: STAGES by bits) (benchmark sweeps)."""
+    flight (None: STAGES by bits) (benchmark sweeps); `int8` the activations' int8 terms (0: float multiply-adds;
+    None: `int8_terms`). The result is in x.dtype."""
+    int8 = int8_terms(x, qtype) if int8 is None else int8
+    if int8 not in (0, 1, 2):
+        raise ValueError(f"int8 terms must be 0, 1 or 2, not {int8}")
     k = x.shape[1]
     w32, w8, w16, row_words, goff, soff, n_units = _views(packed, qtype, k)
     n = packed.shape[0]
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     chunks = triton.cdiv(n_units, UNITS)
-    rows = rows or rows_per_program(n, chunks, multiprocessors(x.device))
-    block_n = block_n or BLOCK_N[SPEC[qtype][0]]
+    block_n = block_n or (INT8_BLOCK_N if int8 else BLOCK_N)[SPEC[qtype][0]]
+    rows = rows or max(rows_per_program(n, chunks, multiprocessors(x.device)), block_n)
     if rows % block_n:
         raise ValueError(f"rows per program ({rows}) must be a multiple of the rows a step ({block_n})")
     direct = chunks == 1
@@ -163,7 +249,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor |
         x, w32, w8, w16, bias if bias is not None else x, out, part, arrival_counters(x.device), n, row_words, goff,
         soff, n_units, rows, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=UNITS, BLOCK_N=block_n,
         HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16, EVEN=n_units % UNITS == 0, DIRECT=direct,
-        STAGES=stages or STAGES[SPEC[qtype][0]], num_warps=WARPS, **pdl(x.device),
+        STAGES=stages or STAGES[SPEC[qtype][0]], INT8=int8, NATIVE=not _INTERPRETED, num_warps=WARPS, **pdl(x.device),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

@@ -99,3 +99,37 @@ def test_loop_steps_in_flight_give_the_same_product(qtype):
     window = rg.gemv(xs, packed, qtype, stages=1)
     assert torch.equal(rg.gemv(xs, packed, qtype, stages=3), window)
     assert_product(window.float(), xs.float(), w, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize(("qtype", "units"), [("Q4_K", 72), ("Q6_K", 48), ("Q8_0", 40), ("Q5_0", 32)])
+def test_int8_activations_take_the_codes_products_as_integer_dot_products(qtype, units):
+    """16-bit activations of INT8_QTYPES: the kernel quantizes each unit's activations (two int8 terms by default)
+    and sums codes times them with dp4a (byte by byte under the interpreter). Two terms stay within 2^-12 of the
+    float product's magnitude (measured ~2^-14), one term within 2^-5 (llama.cpp's MMVQ; measured ~2^-6); float32
+    activations keep the float multiply-adds, bit for bit."""
+    packed, w, k = _packed(qtype, 37, units, seed=8)
+    x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(9)).to(torch.bfloat16)
+    x[0, 5] = 40.0  # an outlier: its unit's other activations get coarser steps
+    assert rows_kernel.int8_terms(x, qtype) == rows_kernel.INT8_TERMS == 2
+    assert rows_kernel.int8_terms(x.float(), qtype) == 0
+    want = x.double() @ w.double().T
+    errors = {}
+    for terms in (1, 2):
+        got = rows_kernel.gemv(x.float(), packed, qtype, rows=16, int8=terms)
+        errors[terms] = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert errors[2] <= 2 ** -12 and errors[1] <= 2 ** -5 and errors[2] < errors[1] / 50, errors
+    assert torch.equal(rows_kernel.gemv(x, packed, qtype, rows=16), rows_kernel.gemv(x, packed, qtype, rows=16, int8=2))
+    assert torch.equal(rows_kernel.gemv(x.float(), packed, qtype, rows=16),
+                       rows_kernel.gemv(x.float(), packed, qtype, rows=16, int8=0))
+    with pytest.raises(ValueError, match="int8 terms must be 0, 1 or 2"):
+        rows_kernel.gemv(x, packed, qtype, int8=3)
+
+
+def test_int8_activations_of_zero_units_give_the_offsets_alone():
+    """A unit whose activations are all zero has no step (amax 0): its products are 0, not NaN."""
+    packed, w, k = _packed("Q4_K", 16, 16, seed=10)
+    x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(11)).to(torch.bfloat16)
+    x[0, :64] = 0.0  # two units
+    got = rows_kernel.gemv(x.float(), packed, "Q4_K", rows=16, int8=2)
+    assert not got.isnan().any()
+    assert_product(got, x.float(), w, rtol=2 ** -12)

@@ -51,15 +51,21 @@ for qtype, m, xdt in (("Q4_K", 1, "*bf16"), ("Q6_K", 1, "*bf16"), ("Q8_0", 1, "*
 
 from draftflow.layers import quant_gemv_rows as qr
 for qtype in ("Q4_K", "Q6_K", "Q8_0"):  # the one-row kernel with the activations in registers (m = 1 by default)
+  for int8 in (0, 1, 2):  # float multiply-adds; int8 activations, one and two terms (dp4a)
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "b8_ptr": "*u8", "h_ptr": "*fp16", "bias_ptr": "*bf16",
              "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-    consts = dict(QTYPE=rg._CODE[qtype], BITS=SPEC[qtype][0], U=qr.UNITS, BLOCK_N=qr.BLOCK_N[SPEC[qtype][0]],
-                  HAS_BIAS=False,
-                  OUT_BF16=True, EVEN=True, DIRECT=False, PDL=True, STAGES=qr.STAGES[SPEC[qtype][0]])
+    bn = (qr.INT8_BLOCK_N if int8 else qr.BLOCK_N)[SPEC[qtype][0]]
+    consts = dict(QTYPE=rg._CODE[qtype], BITS=SPEC[qtype][0], U=qr.UNITS, BLOCK_N=bn, HAS_BIAS=False,
+                  OUT_BF16=True, EVEN=True, DIRECT=False, PDL=True, STAGES=qr.STAGES[SPEC[qtype][0]], INT8=int8,
+                  NATIVE=True)
     regs, local, sass = compile_(qr._gemv_rows_kernel, types, consts, qr.WARPS, ("N", "row_words", "goff", "soff",
                                                                                 "n_units", "magic"))
-    weights = qr.BLOCK_N[SPEC[qtype][0]] * qr.UNITS * 128 // SPEC[qtype][0] / (qr.WARPS * 32)
-    print(qtype, "rows", "*bf16", regs, local, len(re.findall(r"\bI2F", sass)), f"{len(loop(sass)) / weights:.2f}")
+    weights = bn * qr.UNITS * 128 // SPEC[qtype][0] / (qr.WARPS * 32)
+    body = loop(sass)
+    # int8: one I2F per (row, unit) of integer sums is allowed; none per weight (I2F per weight is checked elsewhere)
+    i2f = len(re.findall(r"\bI2F", "\n".join(body))) - (bn * qr.UNITS // (qr.WARPS * 32) if int8 else 0)
+    print(qtype, "rows" + (f"-int8x{int8}" if int8 else ""), "*bf16", regs, local, max(i2f, 0) if int8 else
+          len(re.findall(r"\bI2F", sass)), f"{len(body) / weights:.2f}", len(re.findall(r"\bIDP", "\n".join(body))))
 print("compiled")
 """
 
@@ -68,7 +74,10 @@ print("compiled")
 # the default at one row) Q4_K / Q6_K / Q8_0 4.6 / 5.4 / 6.1. Q4_K 16 / 20 / 33 rows: 6.3 / 6.5 / 6.5 while the K loop
 # was a plain `range` (Triton then pipelined it by the launch's default num_stages, 3), 5.4 / 5.5 / 5.8 since it is
 # `tl.range(num_stages=STAGES)` with STAGES 1 (2026-12-04; Triton 3.6: 7.3 / 7.6 / 7.7 -> 6.8 / 6.9 / 7.2).
-BUDGET = {("Q4_K", "rows"): 5.0, ("Q6_K", "rows"): 6.0, ("Q8_0", "rows"): 6.5, ("Q4_K", "1"): 5.0, ("Q6_K", "1"): 6.0, ("Q8_0", "1"): 5.6, ("Q4_K", "16"): 6.0, ("Q4_K", "20"): 6.0,
+# With int8 activations (two terms, 16 rows a step, dp4a; 2026-12-05, Triton 3.9): Q4_K / Q6_K / Q8_0 2.6 / 2.9 / 3.2
+# (one term: Q4_K 2.3); the float path at the same commit: 5.0 / 5.4 / 6.0.
+BUDGET = {("Q4_K", "rows-int8x2"): 3.0, ("Q4_K", "rows-int8x1"): 2.6, ("Q6_K", "rows-int8x2"): 3.3,
+          ("Q8_0", "rows-int8x2"): 3.6, ("Q4_K", "rows"): 5.0, ("Q6_K", "rows"): 6.0, ("Q8_0", "rows"): 6.5, ("Q4_K", "1"): 5.0, ("Q6_K", "1"): 6.0, ("Q8_0", "1"): 5.6, ("Q4_K", "16"): 6.0, ("Q4_K", "20"): 6.0,
           ("Q4_K", "33"): 6.2}
 
 
@@ -76,7 +85,11 @@ def test_repacked_gemv_compiles_for_sm90_within_budget():
     """One row (factored multiply-adds), 16 and 20 rows (bf16 dot, weight as A, fused reduction), 33 rows (bf16 dot,
     x as A) and float32 33 rows: no local memory, <= 128 registers, no I2F, the loop within BUDGET per weight."""
     for line in run(BODY):
-        qtype, m, xdt, regs, local, i2f, per_weight = line.split()
+        qtype, m, xdt, regs, local, i2f, per_weight, *idp = line.split()
+        if m.startswith("rows-int8"):  # the codes' products are dp4a: 2 (4-bit) or 1 (8-bit) a word and term
+            bits = 4 if qtype == "Q4_K" else 8
+            words = {4: 16, 8: 16}[bits] * 32 * 4 // 128  # rows a step x units x words over the threads
+            assert int(idp[0]) == words * (2 if bits == 4 else 1) * int(m[-1]), line
         case = f"{qtype} {m} rows {xdt}: {regs} registers, {local} B local, {i2f} I2F, {per_weight} instructions/weight"
         assert local == "0" and int(regs) <= 128 and i2f == "0", case
         assert float(per_weight) <= BUDGET.get((qtype, m), 1e9), case
