@@ -48,9 +48,11 @@ WARPS = 4
 STAGES = {4: 1, 8: 1}
 # 16-bit activations: the codes' products as integer dot products (dp4a, 4 multiply-adds an instruction) with the
 # activations quantized per unit in the kernel, as INT8_TERMS int8 terms (llama.cpp's MMVQ uses one; two keep the
-# activations to 2^-16 of the unit's largest, finer than their own bf16 rounding); 0: float multiply-adds
+# activations to 2^-16 of the unit's largest, finer than their own bf16 rounding); 0: float multiply-adds. One H100, whole Qwen3-8B-shaped decode step
+# (benchmarks/gpu_quant.py --int8, docs/GGUF.md 2026-12-05): Q4_K_M 4.92 -> 4.49-4.55 ms, Q8_0 5.82 -> 5.58; Q6_K
+# measured slower with it (6.35 -> 6.58 ms), so it keeps the float path
 INT8_TERMS = 2
-INT8_QTYPES = QTYPES
+INT8_QTYPES = QTYPES - {"Q6_K"}
 INT8_BLOCK_N = {4: 16, 8: 16}  # rows a loop step with int8 activations, by bits per code (sm_90: 48 / 40 registers)
 PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
 
