@@ -83,7 +83,9 @@ BUDGET = {("Q4_K", "rows-int8x2"): 3.0, ("Q4_K", "rows-int8x1"): 2.6, ("Q6_K", "
 
 def test_repacked_gemv_compiles_for_sm90_within_budget():
     """One row (factored multiply-adds), 16 and 20 rows (bf16 dot, weight as A, fused reduction), 33 rows (bf16 dot,
-    x as A) and float32 33 rows: no local memory, <= 128 registers, no I2F, the loop within BUDGET per weight."""
+    x as A) and float32 33 rows: no local memory, <= 128 registers, no I2F, the loop within BUDGET per weight. The
+    rows kernel with int8 activations: one I2F per (row, unit) sum and none per weight, and the dp4a count the codes
+    need (2 a 4-bit word and term, 1 an 8-bit word and term)."""
     for line in run(BODY):
         qtype, m, xdt, regs, local, i2f, per_weight, *idp = line.split()
         if m.startswith("rows-int8"):  # the codes' products are dp4a: 2 (4-bit) or 1 (8-bit) a word and term
