@@ -48,9 +48,9 @@ WARPS = 4
 STAGES = {4: 1, 8: 1}
 # 16-bit activations: the codes' products as integer dot products (dp4a, 4 multiply-adds an instruction) with the
 # activations quantized per unit in the kernel, as INT8_TERMS int8 terms (llama.cpp's MMVQ uses one; two keep the
-# activations to 2^-16 of the unit's largest, finer than their own bf16 rounding); 0: float multiply-adds. One H100, whole Qwen3-8B-shaped decode step
-# (benchmarks/gpu_quant.py --int8, docs/GGUF.md 2026-12-05): Q4_K_M 4.92 -> 4.49-4.55 ms, Q8_0 5.82 -> 5.58; Q6_K
-# measured slower with it (6.35 -> 6.58 ms), so it keeps the float path
+# activations to 2^-16 of the unit's largest, finer than their own bf16 rounding); 0: float multiply-adds. One H100,
+# whole Qwen3-8B-shaped decode step (benchmarks/gpu_quant.py --int8, docs/GGUF.md 2026-12-05): Q4_K_M 4.92 -> 4.49-4.55
+# ms, Q8_0 5.82 -> 5.58; Q6_K measured slower with it (6.35 -> 6.58 ms), so it keeps the float path
 INT8_TERMS = 2
 INT8_QTYPES = QTYPES - {"Q6_K"}
 INT8_BLOCK_N = {4: 16, 8: 16}  # rows a loop step with int8 activations, by bits per code (sm_90: 48 / 40 registers)
@@ -147,7 +147,6 @@ def _gemv_rows_kernel(
             xa_hi, xb_hi = _int8_pack(x1 * inv, x3 * inv, x5 * inv, x7 * inv, INT8)
         else:  # word i's bytes are fields 0..3
             xa_lo, xb_lo = _int8_pack(x0 * inv, x1 * inv, x2 * inv, x3 * inv, INT8)
-            xa_hi, xb_hi = xa_lo, xb_lo
     first = tl.program_id(0) * ROWS
     last = tl.minimum(first + ROWS, N)
     for r0 in tl.range(first, last, BLOCK_N, num_stages=STAGES):
@@ -156,12 +155,10 @@ def _gemv_rows_kernel(
         words, s, o = _step(w_ptr, w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u, goff,
                             soff, QTYPE)  # [BN, U, 4], [BN, U]
         if INT8 > 0:  # integer dot products of the codes with the int8 activations, 4 a dp4a
-            if BITS == 4:
+            lo = words
+            if BITS == 4:  # the codes' low and high nibbles as bytes
                 lo = words & 0x0F0F0F0F
                 hi = (words >> 4) & 0x0F0F0F0F
-            else:
-                lo = words
-                hi = words
             i1 = _dp4a(lo, xa_lo[None, :, :], 0, NATIVE)
             if BITS == 4:
                 i1 = _dp4a(hi, xa_hi[None, :, :], i1, NATIVE)

@@ -64,8 +64,11 @@ for qtype in ("Q4_K", "Q6_K", "Q8_0"):  # the one-row kernel with the activation
     body = loop(sass)
     # int8: one I2F per (row, unit) of integer sums is allowed; none per weight (I2F per weight is checked elsewhere)
     i2f = len(re.findall(r"\bI2F", "\n".join(body))) - (bn * qr.UNITS // (qr.WARPS * 32) if int8 else 0)
+    # the dp4a the codes need: a word's two nibble halves (4-bit) or its bytes (8-bit), once per term
+    want_idp = bn * qr.UNITS * 4 // (qr.WARPS * 32) * (2 if SPEC[qtype][0] == 4 else 1) * int8
     print(qtype, "rows" + (f"-int8x{int8}" if int8 else ""), "*bf16", regs, local, max(i2f, 0) if int8 else
-          len(re.findall(r"\bI2F", sass)), f"{len(body) / weights:.2f}", len(re.findall(r"\bIDP", "\n".join(body))))
+          len(re.findall(r"\bI2F", sass)), f"{len(body) / weights:.2f}", len(re.findall(r"\bIDP", "\n".join(body))),
+          want_idp)
 print("compiled")
 """
 
@@ -88,10 +91,8 @@ def test_repacked_gemv_compiles_for_sm90_within_budget():
     need (2 a 4-bit word and term, 1 an 8-bit word and term)."""
     for line in run(BODY):
         qtype, m, xdt, regs, local, i2f, per_weight, *idp = line.split()
-        if m.startswith("rows-int8"):  # the codes' products are dp4a: 2 (4-bit) or 1 (8-bit) a word and term
-            bits = 4 if qtype == "Q4_K" else 8
-            words = {4: 16, 8: 16}[bits] * 32 * 4 // 128  # rows a step x units x words over the threads
-            assert int(idp[0]) == words * (2 if bits == 4 else 1) * int(m[-1]), line
+        if m.startswith("rows-int8"):  # the codes' products are dp4a, as many as BODY derives from the tile
+            assert idp[0] == idp[1], line
         case = f"{qtype} {m} rows {xdt}: {regs} registers, {local} B local, {i2f} I2F, {per_weight} instructions/weight"
         assert local == "0" and int(regs) <= 128 and i2f == "0", case
         assert float(per_weight) <= BUDGET.get((qtype, m), 1e9), case
