@@ -80,7 +80,8 @@ print("compiled")
 # With int8 activations (two terms, 16 rows a step, dp4a; 2026-12-05, Triton 3.9): Q4_K / Q6_K / Q8_0 2.6 / 2.9 / 3.2
 # (one term: Q4_K 2.3); the float path at the same commit: 5.0 / 5.4 / 6.0.
 BUDGET = {("Q4_K", "rows-int8x2"): 3.0, ("Q4_K", "rows-int8x1"): 2.6, ("Q6_K", "rows-int8x2"): 3.3,
-          ("Q8_0", "rows-int8x2"): 3.6, ("Q4_K", "rows"): 5.0, ("Q6_K", "rows"): 6.0, ("Q8_0", "rows"): 6.5, ("Q4_K", "1"): 5.0, ("Q6_K", "1"): 6.0, ("Q8_0", "1"): 5.6, ("Q4_K", "16"): 6.0, ("Q4_K", "20"): 6.0,
+          ("Q8_0", "rows-int8x2"): 3.6, ("Q4_K", "rows"): 5.0, ("Q6_K", "rows"): 6.0, ("Q8_0", "rows"): 6.5,
+          ("Q4_K", "1"): 5.0, ("Q6_K", "1"): 6.0, ("Q8_0", "1"): 5.6, ("Q4_K", "16"): 6.0, ("Q4_K", "20"): 6.0,
           ("Q4_K", "33"): 6.2}
 
 
