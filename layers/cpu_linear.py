@@ -1,38 +1,117 @@
-"""`F.linear` for float32 CPU tensors, sent to oneDNN where MKL is slow: one product, one fixed rule.
+"""`F.linear` for float32 CPU tensors, through oneDNN with each weight packed once: one product, one fixed rule.
 
 torch's CPU `F.linear` runs MKL's sgemm. On AMD EPYC CPUs MKL is slow at the shapes a
 decode step and a verify window have: a one-row `[1, 384] x [384, 8192]` LM head took 791
-µs against oneDNN's 156, a 16-row window 1.4-3x longer; small one-row products are the
-other way round, a oneDNN call costing ~25 µs more (`benchmarks/cpu_linear_backends.py`,
-docs/BENCHMARKS.md). So a float32 CPU product goes to oneDNN
-(`torch.ops.mkldnn._linear_pointwise`) when it has more than one row or its weight has at
-least `ONEDNN_WEIGHTS` elements, and to `F.linear` otherwise.
+µs against oneDNN's 156, a 16-row window 1.4-3x longer (`benchmarks/cpu_linear_backends.py`,
+docs/BENCHMARKS.md). oneDNN (`torch.ops.mkldnn._linear_pointwise`) is faster still with its
+weight already in oneDNN's blocked layout: called with a plain weight it reorders it on
+every call. So an inference float32 CPU product packs its weight once
+(`torch.ops.mkldnn._reorder_linear_weight`) and multiplies by the packed copy from then on;
+with it oneDNN beats MKL at one row too, so every such product takes it.
+
+The packed copies cost memory (as much again as the float32 weights they copy), so they stop
+at `PACK_LIMIT_BYTES` per process; a product whose weight is not packed follows the rule of
+before: oneDNN with the plain weight for a window or at least `ONEDNN_WEIGHTS` weights, else
+`F.linear`. A packed copy is dropped when its weight is freed and rebuilt when the weight is
+written in place (its version counter moves).
 
 The rule is fixed, not timed: a timed choice could differ between two runs and round one
-prompt two ways. Other devices and dtypes go to `F.linear` unchanged. Without oneDNN in the
-torch build everything goes to `F.linear`.
+prompt two ways. Autograd, other devices and dtypes go to `F.linear` unchanged. Without
+oneDNN in the torch build everything goes to `F.linear`.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-ONEDNN_WEIGHTS = 512 * 1024  # one-row products with at least this many weights go to oneDNN
+ONEDNN_WEIGHTS = 512 * 1024  # unpacked: one-row products with at least this many weights go to oneDNN
+PACK_LIMIT_BYTES = 2 << 30  # packed copies per process, at most
 HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+HAS_PACKING = HAS_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` can take oneDNN: float32 on the CPU outside autograd, a contiguous weight, some rows."""
+    return (HAS_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.is_contiguous() and x.numel() > 0 and not (x.requires_grad or weight.requires_grad))
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` takes oneDNN: float32 on the CPU, and a window or a large weight."""
-    if not HAS_ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-            or not weight.is_contiguous() or x.numel() == 0:
-        return False
-    return x.numel() > x.shape[-1] or weight.numel() >= ONEDNN_WEIGHTS
+    """Whether an unpacked `linear(x, weight)` takes oneDNN: a window or a large weight."""
+    return takes_onednn(x, weight) and (x.numel() > x.shape[-1] or weight.numel() >= ONEDNN_WEIGHTS)
+
+
+class _Packs:
+    """Packed copies, per base tensor (a parameter, or the storage owner of row-slice views) and view geometry."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_base: dict[int, tuple[weakref.ref, dict]] = {}
+        self.bytes = 0
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        base = weight if weight._base is None else weight._base
+        key = (weight.storage_offset(), tuple(weight.shape))
+        with self.lock:
+            slot = self.by_base.get(id(base))
+            if slot is not None and slot[0]() is not base:
+                slot = None  # a dead base's id reused before its callback ran
+            entry = None if slot is None else slot[1].get(key)
+            if entry is not None and entry[0] == weight._version:
+                return entry[1]
+            size = weight.numel() * weight.element_size()
+            if entry is None and self.bytes + size > PACK_LIMIT_BYTES:
+                return None
+            if slot is None:
+                slot = self.by_base[id(base)] = (weakref.ref(base, self._dropper(id(base))), {})
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            if entry is None:
+                self.bytes += size
+            slot[1][key] = (weight._version, packed, size)
+            return packed
+
+    def _dropper(self, ident: int):
+        def drop(ref: weakref.ref) -> None:
+            with self.lock:
+                slot = self.by_base.get(ident)
+                if slot is not None and slot[0] is ref:
+                    del self.by_base[ident]
+                    self.bytes -= sum(entry[2] for entry in slot[1].values())
+        return drop
+
+    def clear(self) -> None:
+        with self.lock:
+            self.by_base.clear()
+            self.bytes = 0
+
+
+PACKS = _Packs()
+
+
+def packed_bytes() -> int:
+    """Bytes of packed weight copies this process holds now."""
+    return PACKS.bytes
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x [..., K], weight [N, K]; returns [..., N]."""
-    if not uses_onednn(x, weight) or x.requires_grad or weight.requires_grad:
+    if not takes_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    packed = PACKS.get(weight) if HAS_PACKING else None
+    if packed is None and not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "").view(*x.shape[:-1], weight.shape[0])
+    out = torch.ops.mkldnn._linear_pointwise(rows, weight if packed is None else packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose forward is `linear`: same parameters and names, and still a module (forward hooks see it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

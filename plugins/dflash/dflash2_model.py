@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers import cpu_linear
 from draftflow.layers.meta import embedding
 from draftflow.layers.sampling import sample
 from draftflow.plugins.dflash.dflash2_config import DFlash2Config
@@ -41,8 +42,8 @@ class GroupedDynamicConv(nn.Module):
         if base.device.type != "meta":
             base[:, 0] = 1.0
         self.base_kernel = nn.Parameter(base)  # [2, K, H]
-        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False,
-                                           dtype=dtype, device=device)
+        self.kernel_projection = cpu_linear.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False,
+                                                   dtype=dtype, device=device)
 
     def prepare(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Side-0 convolution of the sublayer input; returns it and the side-1 kernel for `finish`."""
@@ -77,7 +78,7 @@ class CandidateSelector(nn.Module):
         v, r, h = cfg.vocab_size, cfg.selector_rank, cfg.base.hidden_size
         self.predecessor_codebook = embedding(v, r, dtype, device)  # A: [V, R]
         self.successor_codebook = embedding(v, r, dtype, device)  # S: [V, R]
-        self.hidden_projection = nn.Linear(h, r, bias=False, dtype=dtype, device=device)  # W_hid: [R, H]
+        self.hidden_projection = cpu_linear.Linear(h, r, bias=False, dtype=dtype, device=device)  # W_hid: [R, H]
 
 
 class DFlash2Model(DFlashModel):

@@ -57,10 +57,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         kw = {"dtype": dtype, "device": device, "bias": False}
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, **kw)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, **kw)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, **kw)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, **kw)
+        self.q_proj = cpu_linear.Linear(h, cfg.num_heads * d, **kw)
+        self.k_proj = cpu_linear.Linear(h, cfg.num_kv_heads * d, **kw)
+        self.v_proj = cpu_linear.Linear(h, cfg.num_kv_heads * d, **kw)
+        self.o_proj = cpu_linear.Linear(cfg.num_heads * d, h, **kw)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -107,7 +107,7 @@ class DFlashModel(nn.Module):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(cfg.num_taps * h, h, bias=False, dtype=dtype, device=device)
+        self.fc = cpu_linear.Linear(cfg.num_taps * h, h, bias=False, dtype=dtype, device=device)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.layers = nn.ModuleList(DFlashLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.layers import cpu_linear
 from draftflow.plugins.mtp.weights import block_config, read_state
 from draftflow.layers.config import TargetConfig
 from draftflow.layers.expert_cache import ExpertCache
@@ -51,10 +52,10 @@ class MtpHead(nn.Module):
         self.cfg, self.layout = cfg, layout
         self.block_cfg = block_cfg or block_config(cfg, layout)
         self.norm_e, self.norm_h, self.out_norm = (norm(h, eps, dtype, device) for _ in range(3))
-        self.proj = nn.Linear(2 * h, h, bias=False, dtype=dtype, device=device)
+        self.proj = cpu_linear.Linear(2 * h, h, bias=False, dtype=dtype, device=device)
         self.block = DecoderLayer(self.block_cfg, dtype, device)  # layer 0 of a one-layer, full-attention config
         if layout != "qwen3-next":
-            self.head = nn.Linear(h, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+            self.head = cpu_linear.Linear(h, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         inv_freq = rope_inv_freq(cfg)
         if device is not None and torch.device(device).type != "meta":
             inv_freq = inv_freq.to(device)  # meta models get it through `.to(device)` later
@@ -101,7 +102,7 @@ class MtpHead(nn.Module):
             x = x[:, -1:]
         normed = self.out_norm(x)
         head = self.shared_head if self.layout == "qwen3-next" else self.head.weight
-        logits = F.linear(normed, head).float()  # [B, R, V]
+        logits = cpu_linear.linear(normed, head).float()  # [B, R, V]
         return logits, (normed if self.layout == "qwen3-next" else x)
 
 

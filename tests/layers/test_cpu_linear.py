@@ -1,6 +1,8 @@
-"""layers/cpu_linear.py: which float32 CPU products go to oneDNN, and that they compute F.linear's product."""
+"""layers/cpu_linear.py: which float32 CPU products go to oneDNN, their packed weights, and that they compute F.linear's product."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -9,10 +11,11 @@ import torch.nn.functional as F
 from draftflow.layers import cpu_linear
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.HAS_ONEDNN, reason="this torch build has no oneDNN linear")
+needs_packing = pytest.mark.skipif(not cpu_linear.HAS_PACKING, reason="this torch build cannot pack oneDNN weights")
 
 
 @needs_onednn
-def test_windows_and_large_weights_go_to_onednn_small_rows_stay_on_f_linear():
+def test_unpacked_windows_and_large_weights_go_to_onednn_small_rows_stay_on_f_linear():
     small, large = torch.randn(384, 384), torch.randn(cpu_linear.ONEDNN_WEIGHTS // 384 + 1, 384)
     one, window = torch.randn(1, 1, 384), torch.randn(1, 16, 384)
     assert not cpu_linear.uses_onednn(one, small)  # one row, small weight: MKL is faster
@@ -42,3 +45,54 @@ def test_autograd_and_other_dtypes_take_f_linear_exactly():
     assert out.requires_grad and torch.equal(out, F.linear(x, w))
     xb, wb = x.bfloat16(), w.detach().bfloat16()
     assert torch.equal(cpu_linear.linear(xb, wb), F.linear(xb, wb))
+
+
+@pytest.fixture
+def fresh_packs(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "PACKS", cpu_linear._Packs())
+    return cpu_linear.PACKS
+
+
+@needs_packing
+def test_a_weight_is_packed_once_and_every_row_count_uses_the_copy(fresh_packs):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(384, 384, generator=gen)  # small: unpacked, one row would stay on F.linear
+    for rows in (1, 16, 1, 5):
+        x = torch.randn(1, rows, 384, generator=gen)
+        torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert cpu_linear.packed_bytes() == w.numel() * 4 and len(fresh_packs.by_base) == 1
+    first = fresh_packs.get(w)
+    assert first is fresh_packs.get(w) and first.is_mkldnn  # no second reorder
+
+
+@needs_packing
+def test_an_in_place_write_repacks_and_a_freed_weight_drops_its_copy(fresh_packs):
+    w, x = torch.randn(640, 384), torch.randn(1, 16, 384)
+    cpu_linear.linear(x, w)
+    w.mul_(-2.0)  # e.g. load_state_dict after a first forward
+    torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert cpu_linear.packed_bytes() == w.numel() * 4  # replaced, not added
+    del w
+    gc.collect()
+    assert cpu_linear.packed_bytes() == 0 and not fresh_packs.by_base
+
+
+@needs_packing
+def test_row_slice_views_of_one_storage_pack_separately(fresh_packs):
+    """fuse_projections' weights: q/k/v as row views of one tensor, and their joined view, each its own copy."""
+    group, x = torch.randn(640, 384), torch.randn(1, 3, 384)
+    q, kv = group[:384], group[384:]
+    for w in (q, kv, group):
+        torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert len(fresh_packs.by_base) == 1 and len(next(iter(fresh_packs.by_base.values()))[1]) == 3
+    assert cpu_linear.packed_bytes() == 2 * group.numel() * 4
+
+
+@needs_packing
+def test_past_the_limit_products_run_unpacked_by_the_old_rule(fresh_packs, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "PACK_LIMIT_BYTES", 384 * 384 * 4)
+    kept, over, x = torch.randn(384, 384), torch.randn(2048, 384), torch.randn(1, 1, 384)
+    cpu_linear.linear(x, kept)
+    got = cpu_linear.linear(x, over)  # over the limit: plain oneDNN (a large weight), not packed
+    torch.testing.assert_close(got, F.linear(x, over), atol=1e-4, rtol=1e-5)
+    assert cpu_linear.packed_bytes() == kept.numel() * 4 and fresh_packs.get(over) is None
