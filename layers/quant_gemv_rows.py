@@ -53,7 +53,12 @@ STAGES = {4: 1, 8: 1}
 # ms, Q8_0 5.82 -> 5.58; Q6_K measured slower with it (6.35 -> 6.58 ms), so it keeps the float path
 INT8_TERMS = 2
 INT8_QTYPES = QTYPES - {"Q6_K"}
-INT8_BLOCK_N = {4: 16, 8: 16}  # rows a loop step with int8 activations, by bits per code (sm_90: 48 / 40 registers)
+# Rows a loop step with int8 activations, and a register cap for ptxas (None: none), by bits per code. One H100,
+# Triton 3.6, Q4_K gate/up 24576 x 4096 (benchmarks/results/h100_q4k_rows_sweep.log): 16 rows uncapped took 127
+# registers, 23% occupancy (ncu: stalls on loads' scoreboards) and 38.1 us; 8 rows capped at 80 34.3 us (down 12288:
+# 19.5 against 20.2 us). The Qwen3-8B-shaped Q4_K_M step went 4.467 -> 4.219-4.220 ms, twice (docs/GGUF.md)
+INT8_BLOCK_N = {4: 8, 8: 16}
+INT8_MAXNREG = {4: 80, 8: None}
 PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
 
 
@@ -226,9 +231,9 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor |
          out: torch.Tensor | None = None, rows: int | None = None, block_n: int | None = None,
          maxnreg: int | None = None, stages: int | None = None, int8: int | None = None) -> torch.Tensor:  # [1, N]
     """x [1, K] @ W^T (+ bias) for repacked rows `packed` [N, row bytes]; `rows` per program (None: by the grid),
-    `block_n` rows a loop step (None: BLOCK_N by bits), `maxnreg` a register cap for ptxas, `stages` loop steps in
-    flight (None: STAGES by bits) (benchmark sweeps); `int8` the activations' int8 terms (0: float multiply-adds;
-    None: `int8_terms`). The result is in x.dtype."""
+    `block_n` rows a loop step (None: BLOCK_N, or INT8_BLOCK_N with int8, by bits), `maxnreg` a register cap for ptxas
+    (None: INT8_MAXNREG with int8), `stages` loop steps in flight (None: STAGES by bits) (benchmark sweeps); `int8` the
+    activations' int8 terms (0: float multiply-adds; None: `int8_terms`). The result is in x.dtype."""
     int8 = int8_terms(x, qtype) if int8 is None else int8
     if int8 not in (0, 1, 2):
         raise ValueError(f"int8 terms must be 0, 1 or 2, not {int8}")
@@ -239,6 +244,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor |
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     chunks = triton.cdiv(n_units, UNITS)
     block_n = block_n or (INT8_BLOCK_N if int8 else BLOCK_N)[SPEC[qtype][0]]
+    maxnreg = maxnreg or (INT8_MAXNREG[SPEC[qtype][0]] if int8 else None)
     rows = rows or max(rows_per_program(n, chunks, multiprocessors(x.device)), block_n)
     if rows % block_n:
         raise ValueError(f"rows per program ({rows}) must be a multiple of the rows a step ({block_n})")

@@ -28,14 +28,14 @@ except ImportError as exc:
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
-def compile_(fn, types, consts, warps, div16=()):
+def compile_(fn, types, consts, warps, div16=(), maxnreg=None):
     # pointers and the `div16` integer arguments are specialised as divisible by 16, as the launcher does
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     div = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(fn.arg_names)
            if n not in consts and (n.endswith("_ptr") or n in div16)}
     try:
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     except CompilationError:
         raise
     except Exception as exc:  # an API change (signature format, options), not the kernel: skip

@@ -59,7 +59,8 @@ for qtype in ("Q4_K", "Q6_K", "Q8_0"):  # the one-row kernel with the activation
                   OUT_BF16=True, EVEN=True, DIRECT=False, PDL=True, STAGES=qr.STAGES[SPEC[qtype][0]], INT8=int8,
                   NATIVE=True)
     regs, local, sass = compile_(qr._gemv_rows_kernel, types, consts, qr.WARPS, ("N", "row_words", "goff", "soff",
-                                                                                "n_units", "magic"))
+                                                                                "n_units", "magic"),
+                                 qr.INT8_MAXNREG[SPEC[qtype][0]] if int8 else None)
     weights = bn * qr.UNITS * 128 // SPEC[qtype][0] / (qr.WARPS * 32)
     body = loop(sass)
     # int8: one I2F per (row, unit) of integer sums is allowed; none per weight (I2F per weight is checked elsewhere)
@@ -78,7 +79,8 @@ print("compiled")
 # was a plain `range` (Triton then pipelined it by the launch's default num_stages, 3), 5.4 / 5.5 / 5.8 since it is
 # `tl.range(num_stages=STAGES)` with STAGES 1 (2026-12-04; Triton 3.6: 7.3 / 7.6 / 7.7 -> 6.8 / 6.9 / 7.2).
 # With int8 activations (two terms, 16 rows a step, dp4a; 2026-12-05, Triton 3.9): Q4_K / Q6_K / Q8_0 2.6 / 2.9 / 3.2
-# (one term: Q4_K 2.3); the float path at the same commit: 5.0 / 5.4 / 6.0.
+# (one term: Q4_K 2.3); the float path at the same commit: 5.0 / 5.4 / 6.0. Since 2026-12-06 4-bit int8 takes 8 rows a
+# step under a cap of 80 registers (INT8_MAXNREG): Q4_K 2.56, 64 registers.
 BUDGET = {("Q4_K", "rows-int8x2"): 3.0, ("Q4_K", "rows-int8x1"): 2.6, ("Q6_K", "rows-int8x2"): 3.3,
           ("Q8_0", "rows-int8x2"): 3.6, ("Q4_K", "rows"): 5.0, ("Q6_K", "rows"): 6.0, ("Q8_0", "rows"): 6.5,
           ("Q4_K", "1"): 5.0, ("Q6_K", "1"): 6.0, ("Q8_0", "1"): 5.6, ("Q4_K", "16"): 6.0, ("Q4_K", "20"): 6.0,
