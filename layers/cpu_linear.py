@@ -13,7 +13,8 @@ The packed copies cost memory (as much again as the float32 weights they copy), 
 at `PACK_LIMIT_BYTES` per process; a product whose weight is not packed follows the rule of
 before: oneDNN with the plain weight for a window or at least `ONEDNN_WEIGHTS` weights, else
 `F.linear`. A packed copy is dropped when its weight is freed and rebuilt when the weight is
-written in place (its version counter moves).
+written in place (its version counter moves; a weight made under `torch.inference_mode` has none
+and counts as never written).
 
 The rule is fixed, not timed: a timed choice could differ between two runs and round one
 prompt two ways. Autograd, other devices and dtypes go to `F.linear` unchanged. Without
@@ -46,6 +47,11 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return takes_onednn(x, weight) and (x.numel() > x.shape[-1] or weight.numel() >= ONEDNN_WEIGHTS)
 
 
+def _version(weight: torch.Tensor) -> int | None:
+    # An inference tensor (made under torch.inference_mode) has no version counter: taken as never written
+    return None if weight.is_inference() else weight._version
+
+
 class _Packs:
     """Packed copies, per base tensor (a parameter, or the storage owner of row-slice views) and view geometry."""
 
@@ -62,7 +68,8 @@ class _Packs:
             if slot is not None and slot[0]() is not base:
                 slot = None  # a dead base's id reused before its callback ran
             entry = None if slot is None else slot[1].get(key)
-            if entry is not None and entry[0] == weight._version:
+            version = _version(weight)
+            if entry is not None and entry[0] == version:
                 return entry[1]
             size = weight.numel() * weight.element_size()
             if entry is None and self.bytes + size > PACK_LIMIT_BYTES:
@@ -72,7 +79,7 @@ class _Packs:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             if entry is None:
                 self.bytes += size
-            slot[1][key] = (weight._version, packed, size)
+            slot[1][key] = (version, packed, size)
             return packed
 
     def _dropper(self, ident: int):

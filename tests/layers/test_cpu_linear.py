@@ -96,3 +96,13 @@ def test_past_the_limit_products_run_unpacked_by_the_old_rule(fresh_packs, monke
     got = cpu_linear.linear(x, over)  # over the limit: plain oneDNN (a large weight), not packed
     torch.testing.assert_close(got, F.linear(x, over), atol=1e-4, rtol=1e-5)
     assert cpu_linear.packed_bytes() == kept.numel() * 4 and fresh_packs.get(over) is None
+
+
+@needs_packing
+def test_a_weight_made_in_inference_mode_packs_too(fresh_packs):
+    """Inference tensors have no version counter; such a weight is packed once and used."""
+    with torch.inference_mode():
+        w, x = torch.randn(640, 384), torch.randn(1, 16, 384)
+        got = cpu_linear.linear(x, w)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert cpu_linear.packed_bytes() == w.numel() * 4
