@@ -113,7 +113,9 @@ def test_init_from_dflash_starts_as_that_drafter(target, tmp_path):
     model = load_hf(target, "cpu", torch.float32).model
     v1 = _dflash_drafter(target, tmp_path / "v1")
     cfg = DFlash2Config(init_backbone_config(str(v1), model), 2, 8, 16, 4)
-    two = DFlash2Recipe(model, new_drafter(cfg, seed=1, init_from=str(v1)))
+    # Frozen like the loaded drafter, so both take the same CPU product (layers/cpu_linear.py packs only inference
+    # weights; a trainable one goes to F.linear, whose bits differ)
+    two = DFlash2Recipe(model, new_drafter(cfg, seed=1, init_from=str(v1)).requires_grad_(False))
     one = DFlashRecipe(model, load_dflash(v1, "cpu", torch.float32)[0])
     tokens = torch.randint(0, 255, (1, 24), generator=torch.Generator().manual_seed(0))
     _, feats = model(tokens, 0, WindowKV(), logit_rows=0, tap_layers=(0, 1))
