@@ -47,7 +47,11 @@ def takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an unpacked `linear(x, weight)` takes oneDNN: a window or a large weight."""
-    return takes_onednn(x, weight) and (x.numel() > x.shape[-1] or weight.numel() >= ONEDNN_WEIGHTS)
+    return takes_onednn(x, weight) and _window_or_large(x, weight)
+
+
+def _window_or_large(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.numel() > x.shape[-1] or weight.numel() >= ONEDNN_WEIGHTS
 
 
 def _version(weight: torch.Tensor) -> int | None:
@@ -59,7 +63,7 @@ class _Packs:
     """Packed copies, per base tensor (a parameter, or the storage owner of row-slice views) and view geometry."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a weight freed by a collection inside `get` runs its drop callback here
         self.by_base: dict[int, tuple[weakref.ref, dict]] = {}
         self.bytes = 0
 
@@ -94,11 +98,6 @@ class _Packs:
                     self.bytes -= sum(entry[2] for entry in slot[1].values())
         return drop
 
-    def clear(self) -> None:
-        with self.lock:
-            self.by_base.clear()
-            self.bytes = 0
-
 
 PACKS = _Packs()
 
@@ -113,7 +112,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not takes_onednn(x, weight):
         return F.linear(x, weight, bias)
     packed = PACKS.get(weight) if HAS_PACKING else None
-    if packed is None and not uses_onednn(x, weight):
+    if packed is None and not _window_or_large(x, weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, weight if packed is None else packed, bias, "none", [], "")
