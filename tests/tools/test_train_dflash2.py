@@ -1,4 +1,4 @@
-"""`draftflow train dflash2`: smoke run lowers both losses, resume, init from DFlash, outputs pass the greedy gate."""
+"""`draftflow train dflash2`: smoke run lowers both losses, resume, init from DFlash or DFlash2, outputs pass the greedy gate."""
 
 from __future__ import annotations
 
@@ -168,6 +168,20 @@ def test_selector_loss_injects_the_gold_token_outside_the_top_m(target):
     worst = blocks.logits.argmin(-1).view_as(blocks.labels)  # never inside a top-2
     loss, recall = recipe.selector_loss(blocks._replace(labels=worst))
     assert float(recall) == 0.0 and torch.isfinite(loss)
+
+
+def test_dflash2_init_from_a_dflash2_continues_all_of_it(target, run, tmp_path):
+    """`train dflash2 --init-from` a DFlash2 drafter starts from every tensor it has (convolutions and selector
+    too; a 1e-12 learning rate leaves them as they were) and keeps its whole shape."""
+    trained, _ = run
+    out = tmp_path / "continued"
+    _train(target, out, 1, "--init-from", str(trained), "--lr", "1e-12")
+    before, after = read_artifact(trained), read_artifact(out)
+    assert after.config == before.config
+    assert set(after.tensors) == set(before.tensors)
+    assert any(float(t.abs().max()) > 0 for n, t in before.tensors.items() if "successor_codebook" in n)
+    for name, t in before.tensors.items():
+        torch.testing.assert_close(after.tensors[name], t, rtol=0, atol=1e-6, msg=name)
 
 
 def test_dflash_init_from_continues_that_drafter(target, tmp_path):

@@ -124,7 +124,7 @@ KIND_NAMES = {"dflash": "a DFlash drafter", "dflash2": "a DFlash2 drafter", "mtp
 
 
 def check_models(a) -> None:
-    """--target is a model (not a drafter, not text); --init-from is a DFlash (v1) drafter."""
+    """--target is a model (not a drafter, not text); --init-from is a drafter the recipe can start from."""
     target = Path(a.target)
     if not target.exists():
         raise DraftflowError(f"--target {a.target}: no such model folder or file; pass a Hugging Face folder or .gguf")
@@ -141,11 +141,12 @@ def check_models(a) -> None:
         raise DraftflowError(f"--init-from {a.init_from}: no such drafter; pass the --out folder (or .gguf) of "
                              "`draftflow train dflash`")
     kind = model_kind(init)
-    if kind in ("target", "mtp", None):
+    takes = ("a DFlash (v1) drafter, the --out of `draftflow train dflash`" if a.recipe == "dflash" else
+             "a DFlash or DFlash2 drafter, the --out of `draftflow train dflash` or `dflash2`")
+    if kind in ("target", "mtp", None) or (kind == "dflash2" and a.recipe == "dflash"):
         what = KIND_NAMES[kind] if kind else ("a file that is not .gguf" if init.is_file() else
                                               "a folder without a readable config.json")
-        raise DraftflowError(f"--init-from {a.init_from}: {what}; --init-from takes a DFlash (v1) drafter, the --out "
-                             "of `draftflow train dflash`")
+        raise DraftflowError(f"--init-from {a.init_from}: {what}; --init-from takes {takes}")
 
 
 def check_data(paths: list[str]) -> list[Path]:

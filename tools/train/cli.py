@@ -1,7 +1,7 @@
 """`draftflow train dflash|dflash2|mtp`: train a drafter against a frozen target.
 
     draftflow train dflash  --target TARGET --out DRAFTER_DIR [--gguf DRAFTER.gguf] [--steps 2000]
-    draftflow train dflash2 --target TARGET --out DRAFTER_DIR [--init-from DFLASH_DIR] [--selector-top-k 16]
+    draftflow train dflash2 --target TARGET --out DRAFTER_DIR [--init-from DFLASH_OR_DFLASH2_DIR] [--selector-top-k 16]
     draftflow train mtp     --target TARGET --out MTP_DIR
 
 TARGET is any model the target node loads (Hugging Face directory or .gguf); its
@@ -98,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     only(d, BLOCKS, "--mask-token-id", type=int, help=f"default: the tokenizer's {' / '.join(MASK_NAMES[:2])} token")
     only(d, BLOCKS, "--intermediate", type=int, help="draft MLP width (default: the target's)")
     only(d, BLOCKS, "--gguf", help="also write the drafter as a GGUF file (llama.cpp names)")
-    only(d, BLOCKS, "--init-from", help="start from this trained DFlash (v1) drafter (HF directory or .gguf): dflash "
-         "continues training it under a new schedule, dflash2 takes it as its backbone; its shape replaces --layers, "
-         "--block-size, --tap-layers, --mask-token-id, --intermediate")
+    only(d, BLOCKS, "--init-from", help="start from this trained drafter (HF directory or .gguf): dflash continues a "
+         "DFlash (v1) drafter under a new schedule; dflash2 takes a DFlash drafter as its backbone, or continues a "
+         "DFlash2 drafter (convolutions and selector too); its shape replaces --layers, --block-size, --tap-layers, "
+         "--mask-token-id, --intermediate (and, from a DFlash2, the dflash2 shape flags)")
     s = p.add_argument_group("dflash2")
 
     only(s, DFLASH2, "--conv-kernel-size", type=int, help="K: taps of the dynamic convolutions (default 2)")
@@ -132,6 +133,7 @@ def parse_args(argv: list[str] | None):
     parser = build_parser()
     a = parser.parse_args(argv)
     check_recipe_options(a, parser.recipe_only)
+    a.given = {dest for dest in RECIPE_DEFAULTS if getattr(a, dest) is not None}  # --init-from DFlash2 checks these
     for dest, default in RECIPE_DEFAULTS.items():
         if getattr(a, dest) is None:
             setattr(a, dest, default)
@@ -264,16 +266,23 @@ def main(argv: list[str] | None = None) -> int:
         recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, labels, a.seed)
     elif a.recipe == "dflash2":
         from draftflow.plugins.dflash.dflash2_config import DFlash2Config
-        from draftflow.tools.train.dflash2_recipe import DFlash2Recipe, init_backbone_config, new_drafter
+        from draftflow.plugins.dflash.dflash2_loader import is_dflash2
+        from draftflow.tools.train.dflash2_recipe import (DFlash2Recipe, continue_drafter, init_backbone_config,
+                                                          init_dflash2_config, new_drafter)
 
-        base = init_backbone_config(a.init_from, target) if a.init_from else _backbone_config(a, loaded)
-        _check_shape_flags(a, base)
-        try:
-            cfg = DFlash2Config(base, a.conv_kernel_size, a.conv_group_size, a.selector_rank, a.selector_top_k)
-        except ModelFormatError as exc:  # its fix names config keys; the CLI user sets them with flags
-            raise DraftflowError(f"{exc} (the dflash_config keys come from --conv-kernel-size, --conv-group-size, "
-                                 "--selector-rank and --selector-top-k)") from None
-        drafter = new_drafter(cfg, seed=a.seed, init_from=a.init_from, device=a.device)
+        if a.init_from and is_dflash2(a.init_from):  # fine-tune a trained DFlash2: its whole shape is fixed
+            cfg = init_dflash2_config(a.init_from, target)
+            _check_shape_flags(a, cfg.base, cfg)
+            drafter = continue_drafter(cfg, a.init_from, device=a.device)
+        else:
+            base = init_backbone_config(a.init_from, target) if a.init_from else _backbone_config(a, loaded)
+            _check_shape_flags(a, base)
+            try:
+                cfg = DFlash2Config(base, a.conv_kernel_size, a.conv_group_size, a.selector_rank, a.selector_top_k)
+            except ModelFormatError as exc:  # its fix names config keys; the CLI user sets them with flags
+                raise DraftflowError(f"{exc} (the dflash_config keys come from --conv-kernel-size, --conv-group-size, "
+                                     "--selector-rank and --selector-top-k)") from None
+            drafter = new_drafter(cfg, seed=a.seed, init_from=a.init_from, device=a.device)
         recipe = DFlash2Recipe(target, drafter, a.anchors, a.gamma, labels, a.seed, a.selector_alpha,
                                a.selector_warmup, a.selector_ramp, a.selector_stop_gradient)
     else:
@@ -409,8 +418,9 @@ def _backbone_config(a, loaded):
                       _mask_id(a, loaded.tokenizer, tcfg.vocab_size), a.intermediate)
 
 
-def _check_shape_flags(a, base) -> None:
-    """With --init-from the backbone's shape is the given drafter's; a disagreeing shape flag is a mistake."""
+def _check_shape_flags(a, base, dflash2=None) -> None:
+    """With --init-from the backbone's shape is the given drafter's (a DFlash2's convolutions and selector too,
+    `dflash2` its config); a disagreeing shape flag is a mistake."""
     if not a.init_from:
         return
     given = {"--layers": (a.layers, base.num_layers), "--block-size": (a.block_size, base.block_size),
@@ -418,10 +428,13 @@ def _check_shape_flags(a, base) -> None:
              "--intermediate": (a.intermediate, base.intermediate_size),
              "--tap-layers": (_tap_layers(a.tap_layers, base.num_target_layers, 1) if a.tap_layers else None,
                               base.target_layer_ids)}
+    for dest in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if dflash2 else ():
+        given["--" + dest.replace("_", "-")] = (getattr(a, dest) if dest in a.given else None, getattr(dflash2, dest))
     bad = [f"{flag} {mine} (it has {theirs})" for flag, (mine, theirs) in given.items()
            if mine is not None and mine != theirs]
     if bad:
-        raise DraftflowError(f"--init-from {a.init_from} fixes the backbone's shape, but " + ", ".join(bad)
+        what = "DFlash2 drafter's" if dflash2 else "backbone's"
+        raise DraftflowError(f"--init-from {a.init_from} fixes the {what} shape, but " + ", ".join(bad)
                              + "; drop those flags or pass matching values")
 
 

@@ -21,7 +21,7 @@ draft row n with final-normed hidden h_n and unary logits l_n:
   logits and hidden states (SpecForge's default).
 
 Initialisation: the DFlash backbone as `init_weights` makes it (or the tensors of a trained
-DFlash drafter, `init_from`), both convolutions as identities (tap 0 = 1, other taps 0,
+DFlash drafter, `init_from`; a trained DFlash2 drafter is continued as it is, `continue_drafter`), both convolutions as identities (tap 0 = 1, other taps 0,
 kernel projection 0) and a zero successor codebook. With those, the DFlash2 drafter starts
 as exactly its backbone with the top-1 selector: a trained DFlash drafter is a lossless
 starting point, and the new parts only learn what improves on it. The base kernels are not
@@ -39,6 +39,8 @@ from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.loader import read_artifact
 from draftflow.plugins.dflash.dflash2_config import CODEBOOKS, DFlash2Config
 from draftflow.plugins.dflash.dflash2_loader import is_dflash2
+from draftflow.plugins.dflash.dflash2_loader import read_artifact as read_dflash2_artifact
+from draftflow.plugins.dflash.dflash2_loader import read_config as read_dflash2_config
 from draftflow.plugins.dflash.dflash2_model import DFlash2Model, walk
 from draftflow.tools.train.dflash_recipe import Blocks, DFlashRecipe
 from draftflow.tools.train.loop import init_weights
@@ -50,9 +52,27 @@ SELECTOR_WARMUP, SELECTOR_RAMP = 0.0005, 0.0005
 def init_backbone_config(path: str, target) -> DFlashConfig:
     """The backbone config of the trained DFlash (v1) drafter at `path`, checked against the target."""
     if is_dflash2(path):
-        raise DraftflowError(f"--init-from {path}: a DFlash2 drafter; --init-from takes a DFlash (v1) drafter "
-                             "(to continue a DFlash2 run, pass --resume with its --checkpoint)")
-    cfg = read_artifact(path).config
+        raise DraftflowError(f"--init-from {path}: a DFlash2 drafter; `draftflow train dflash --init-from` takes a "
+                             "DFlash (v1) drafter (continue a DFlash2 drafter with `draftflow train dflash2`)")
+    return _fits_target(read_artifact(path).config, path, target)
+
+
+def init_dflash2_config(path: str, target) -> DFlash2Config:
+    """The config of the trained DFlash2 drafter at `path` (fine-tuned further), its backbone checked against the target."""
+    cfg = read_dflash2_config(path)
+    return attrs.evolve(cfg, base=_fits_target(cfg.base, path, target))
+
+
+def continue_drafter(cfg: DFlash2Config, path: str, device=None) -> DFlash2Model:
+    """A trainable DFlash2 drafter holding every tensor of the trained DFlash2 drafter at `path`."""
+    drafter = DFlash2Model(cfg, device=device)
+    with torch.no_grad():
+        drafter.load_state_dict(read_dflash2_artifact(path).tensors, strict=True)
+    return drafter.requires_grad_(True)
+
+
+def _fits_target(cfg: DFlashConfig, path: str, target) -> DFlashConfig:
+    """`cfg` (a trained drafter's backbone) checked against the target, with the target's sizes filled in."""
     t = target.config
     if cfg.hidden_size != t.hidden_size:
         raise DraftflowError(f"--init-from {path}: hidden size {cfg.hidden_size} but the target's is {t.hidden_size}; "
