@@ -110,6 +110,11 @@ class DFlash2(DFlash):
                                    f"{self.config2.vocab_size} rows but the target's vocabulary has "
                                    f"{self.embed.shape[0]}; use the drafter trained for this target")
 
+    def _warm_eager(self) -> torch.Tensor:
+        hidden = super()._warm_eager()
+        self.model.candidate_selector.hidden_projection(hidden)  # the selector nodes' walk reads it
+        return hidden
+
     @torch.inference_mode()
     def step(self, batch, inputs):
         drafted = self.draft_block(batch, inputs)

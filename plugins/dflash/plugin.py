@@ -324,10 +324,23 @@ class DFlash(RowProposals, Node):
     @torch.inference_mode()
     def warmup(self) -> None:
         """Capture the full-width B = 1 proposal graphs of the first KV buckets (graphs.WARMUP_BUCKETS), so the first
-        request captures nothing; batched graphs are captured at their first use. A no-op on the eager path."""
+        request captures nothing; batched graphs are captured at their first use. Eager: one block in slot 0 (never
+        committed; the next prefill resets the slot), which on the CPU packs the weights for oneDNN."""
         runner = self._runner()
         if runner is not None:
             runner.warmup()
+        elif self.ctx.num_draft > 0:
+            self._warm_eager()
+            self.caches[0].crop(0)
+
+    def _warm_eager(self) -> torch.Tensor:
+        """One full block in slot 0 with its logits; returns the draft rows' hidden states ([1, B-1, H])."""
+        cfg, width = self.config, slot_width(self.config, self.ctx.num_draft)
+        block = torch.full((1, width), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, B]
+        rows = torch.zeros(1, 1, cfg.num_taps * cfg.hidden_size, dtype=self.dtype, device=self.ctx.device)
+        hidden = self.model.draft(rows, 0, self.model.embed_block(block, self.embed), self.caches[0])[:, 1:]
+        draft_logits(hidden, self.head, cfg)
+        return hidden
 
     @torch.inference_mode()
     def step(self, batch, inputs):

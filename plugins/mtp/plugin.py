@@ -110,6 +110,17 @@ class Mtp(Node):
         self.head.bind(self.ctx.shared[EMBED_BUFFER], self.ctx.shared[HEAD_BUFFER])
 
     @torch.inference_mode()
+    def warmup(self) -> None:
+        """One pair through the head in slot 0 (never committed): on the CPU this packs its weights for oneDNN."""
+        experts = self.head.expert_cache
+        if experts is not None and not experts.device_path:
+            return  # host-routed experts: a forward would move experts before the first request
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.ctx.device)
+        hidden = torch.zeros((1, 1, self.tap.stop - self.tap.start), dtype=self.ctx.dtype, device=self.ctx.device)
+        self.head(ids, hidden, 0, self.cache.rows(0, 1))
+        self.cache.crop(0, row=0)
+
+    @torch.inference_mode()
     def prefill(self, req):
         self.cache.crop(0, row=req.slot)
         return {}

@@ -249,9 +249,10 @@ class Target(Node):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Load CUDA libraries and kernels with a short eager window, then capture the decode and verify graphs."""
+        """A short eager window (CUDA: loads libraries and kernels; CPU: packs every float32 weight for oneDNN,
+        layers/cpu_linear.py), then on CUDA capture the decode and verify graphs."""
         experts = self.model.expert_cache
-        if torch.device(self.ctx.device).type != "cuda" or (experts is not None and not experts.device_path):
+        if experts is not None and not experts.device_path:
             return  # host-routed experts: an eager window would move experts before the first request
         # Never committed: writes slot 0's cells past its committed length and linear-state candidate slots only
         # (the next prefill resets the linear state's open window). Larger batch buckets are captured on first use.
@@ -260,6 +261,8 @@ class Target(Node):
         ids = torch.zeros(1, min(16, cache.capacity - start), dtype=torch.long, device=self.ctx.device)
         if ids.shape[1]:
             self.model(ids, start, cache, logit_rows=1, linear=linear, kernels=self.prefill_kernels)
+        if torch.device(self.ctx.device).type != "cuda":
+            return
         if self.runner is not None and self.ctx.params["warmup_tokens"]:
             self.runner.prepare((1, self.ctx.num_draft + 1), self.ctx.params["warmup_tokens"])
             from draftflow.plugins.target.graphs import graph_widths

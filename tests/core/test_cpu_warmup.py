@@ -1,0 +1,48 @@
+"""`Session.open` warms a CPU graph up: the target and the DFlash/DFlash2/MTP drafter pack their float32 weights for
+oneDNN there (layers/cpu_linear.py), so no request pays for a pack, and warmed output is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SMALL_PAIR
+
+from draftflow.core.session import Session
+from draftflow.core.node import SamplingParams
+from draftflow.layers import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.HAS_PACKING, reason="this torch build cannot pack oneDNN weights")
+
+
+@pytest.fixture
+def counted_packs(monkeypatch):
+    """A fresh pack cache and a count of the packs made."""
+    monkeypatch.setattr(cpu_linear, "PACKS", cpu_linear._Packs())
+    calls = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def counting(*args, **kw):
+        calls.append(args[0].shape)
+        return reorder(*args, **kw)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counting)
+    return calls
+
+
+MTP_GRAPH = {"name": "mtp", "device": "cpu", "dtype": "float32", "num_draft": 3, "nodes": {
+    "target": {"plugin": "target", "params": {"path": str(SMALL_PAIR / "target"), "tap_layers": [3]}},
+    "drafter": {"plugin": "mtp", "params": {"path": str(SMALL_PAIR / "mtp")}}, "verify": {"plugin": "verifier"}}}
+
+
+@pytest.mark.parametrize("graph,fc_inputs", [("demo.yaml", 3), ("demo-dflash2.yaml", 3), (MTP_GRAPH, 2)])
+def test_open_packs_every_weight_and_a_request_packs_none(counted_packs, graph, fc_inputs):
+    session = Session.open(SMALL_PAIR / graph) if isinstance(graph, str) else Session.open(graph_dict=graph)
+    try:
+        at_open = len(counted_packs)
+        hidden = session.executor.handle.config.hidden_size
+        assert any(s[1] == fc_inputs * hidden for s in counted_packs), "the drafter's input projection was not packed"
+        first = session.generate(session.encode("def add(a, b):"), SamplingParams(max_new_tokens=24))
+        assert len(counted_packs) == at_open, "a request packed a weight"
+        assert first.stats["cycles"] < 24  # drafts were accepted: the drafter ran
+    finally:
+        session.close()
