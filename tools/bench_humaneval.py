@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                    help="add the dflash package's decode loop as reference rows (default: on with CUDA)")
     p.add_argument("--policy", action="store_true", help="drafting rows choose K per cycle with the adaptive_k policy "
-                   "(at most --num-draft), as the default graph does")
+                   "(at most --num-draft); the default graph runs a fixed K")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="run each prompt through every row in turn (the order rotating), so a drift in the machine's "
                    "speed and first-seen costs (e.g. per-shape kernel setup) reach every row alike; --no-interleave: "

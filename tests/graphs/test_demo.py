@@ -34,7 +34,7 @@ def test_shipped_files_are_small_and_complete():
 
 
 def test_demo_graph_passes_the_greedy_gate_with_acceptance(prompts):
-    """graphs/demo.yaml (prompt lookup, else DFlash, K 15) emits the target-only tokens and accepts drafts."""
+    """graphs/demo.yaml (prompt lookup, else DFlash2, K 15) emits the target-only tokens and accepts drafts."""
     report = greedy_gate(ROOT / "graphs" / "demo.yaml", prompts=prompts, max_new_tokens=32)
     assert report.accepted > 0
 
