@@ -21,8 +21,9 @@ draft row n with final-normed hidden h_n and unary logits l_n:
   logits and hidden states (SpecForge's default).
 
 Initialisation: the DFlash backbone as `init_weights` makes it (or the tensors of a trained
-DFlash drafter, `init_from`; a trained DFlash2 drafter is continued as it is, `continue_drafter`), both convolutions as identities (tap 0 = 1, other taps 0,
-kernel projection 0) and a zero successor codebook. With those, the DFlash2 drafter starts
+DFlash drafter, `init_from`), both convolutions as identities (tap 0 = 1, other taps 0,
+kernel projection 0) and a zero successor codebook (a trained DFlash2 drafter is instead
+continued as it is: `continue_drafter`). With those, the DFlash2 drafter starts
 as exactly its backbone with the top-1 selector: a trained DFlash drafter is a lossless
 starting point, and the new parts only learn what improves on it. The base kernels are not
 weight-decayed (decay would pull their identity taps towards zero).
