@@ -303,11 +303,17 @@ class DFlash(RowProposals, Node):
         if runner is not None and rows.shape[1] > 0:
             hidden, logits = runner(rows, start, req.anchor, width)  # [1, B-1, H], [1, B-1, V]
             return hidden[:, :k], logits[:, :k]
-        block = torch.full((1, width), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, B]
-        block[0, 0] = req.anchor
+        return self._eager_block(rows, start, req.anchor, width, k, cache)
+
+    def _eager_block(self, rows: torch.Tensor, start: int, anchor: int, width: int, k: int, cache: KVCache
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ingest `rows` at `start` and run the `width`-row block [anchor, MASK...] after them in one eager forward;
+        the first k draft rows' hidden states ([1, k, H], final-normed) and logits ([1, k, V] float32)."""
+        block = torch.full((1, width), self.config.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, B]
+        block[0, 0] = anchor
         # The block's K/V sit past cache.length: the next cycle's crop drops them.
         hidden = self.model.draft(rows.to(self.dtype), start, self.model.embed_block(block, self.embed), cache)[:, 1:k + 1]
-        return hidden, draft_logits(hidden, self.head, cfg)
+        return hidden, draft_logits(hidden, self.head, self.config)
 
     def _no_rows(self) -> torch.Tensor:
         cfg = self.config
@@ -334,13 +340,10 @@ class DFlash(RowProposals, Node):
             self.caches[0].crop(0)
 
     def _warm_eager(self) -> torch.Tensor:
-        """One full block in slot 0 with its logits; returns the draft rows' hidden states ([1, B-1, H])."""
+        """`_eager_block` on one zero feature row in slot 0; returns the draft rows' hidden states ([1, B-1, H])."""
         cfg, width = self.config, slot_width(self.config, self.ctx.num_draft)
-        block = torch.full((1, width), cfg.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, B]
         rows = torch.zeros(1, 1, cfg.num_taps * cfg.hidden_size, dtype=self.dtype, device=self.ctx.device)
-        hidden = self.model.draft(rows, 0, self.model.embed_block(block, self.embed), self.caches[0])[:, 1:]
-        draft_logits(hidden, self.head, cfg)
-        return hidden
+        return self._eager_block(rows, 0, cfg.mask_token_id, width, width - 1, self.caches[0])[0]
 
     @torch.inference_mode()
     def step(self, batch, inputs):

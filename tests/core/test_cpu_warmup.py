@@ -1,5 +1,5 @@
 """`Session.open` warms a CPU graph up: the target and the DFlash/DFlash2/MTP drafter pack their float32 weights for
-oneDNN there (layers/cpu_linear.py), so no request pays for a pack, and warmed output is unchanged."""
+oneDNN there (layers/cpu_linear.py), so no request pays for a pack."""
 
 from __future__ import annotations
 

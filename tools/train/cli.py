@@ -267,13 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     elif a.recipe == "dflash2":
         from draftflow.plugins.dflash.dflash2_config import DFlash2Config
         from draftflow.plugins.dflash.dflash2_loader import is_dflash2
-        from draftflow.tools.train.dflash2_recipe import (DFlash2Recipe, continue_drafter, init_backbone_config,
-                                                          init_dflash2_config, new_drafter)
+        from draftflow.tools.train.dflash2_recipe import DFlash2Recipe, continue_drafter, init_backbone_config, new_drafter
 
         if a.init_from and is_dflash2(a.init_from):  # fine-tune a trained DFlash2: its whole shape is fixed
-            cfg = init_dflash2_config(a.init_from, target)
-            _check_shape_flags(a, cfg.base, cfg)
-            drafter = continue_drafter(cfg, a.init_from, device=a.device)
+            drafter = continue_drafter(a.init_from, target, device=a.device)
+            _check_shape_flags(a, drafter.config2.base, drafter.config2)
         else:
             base = init_backbone_config(a.init_from, target) if a.init_from else _backbone_config(a, loaded)
             _check_shape_flags(a, base)

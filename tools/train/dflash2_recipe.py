@@ -40,8 +40,7 @@ from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.plugins.dflash.loader import read_artifact
 from draftflow.plugins.dflash.dflash2_config import CODEBOOKS, DFlash2Config
 from draftflow.plugins.dflash.dflash2_loader import is_dflash2
-from draftflow.plugins.dflash.dflash2_loader import read_artifact as read_dflash2_artifact
-from draftflow.plugins.dflash.dflash2_loader import read_config as read_dflash2_config
+from draftflow.plugins.dflash.dflash2_loader import load_drafter as load_dflash2
 from draftflow.plugins.dflash.dflash2_model import DFlash2Model, walk
 from draftflow.tools.train.dflash_recipe import Blocks, DFlashRecipe
 from draftflow.tools.train.loop import init_weights
@@ -58,17 +57,11 @@ def init_backbone_config(path: str, target) -> DFlashConfig:
     return _fits_target(read_artifact(path).config, path, target)
 
 
-def init_dflash2_config(path: str, target) -> DFlash2Config:
-    """The config of the trained DFlash2 drafter at `path` (fine-tuned further), its backbone checked against the target."""
-    cfg = read_dflash2_config(path)
-    return attrs.evolve(cfg, base=_fits_target(cfg.base, path, target))
-
-
-def continue_drafter(cfg: DFlash2Config, path: str, device=None) -> DFlash2Model:
-    """A trainable DFlash2 drafter holding every tensor of the trained DFlash2 drafter at `path`."""
-    drafter = DFlash2Model(cfg, device=device)
-    with torch.no_grad():
-        drafter.load_state_dict(read_dflash2_artifact(path).tensors, strict=True)
+def continue_drafter(path: str, target, device=None) -> DFlash2Model:
+    """The trained DFlash2 drafter at `path`, loaded as the dflash2 node loads it (its own config, every tensor) in
+    float32 and trainable, its backbone checked against the target."""
+    drafter, cfg = load_dflash2(path, device, torch.float32)
+    _fits_target(cfg.base, path, target)  # its codebooks keep their own vocabulary (may be narrower than the target's)
     return drafter.requires_grad_(True)
 
 
