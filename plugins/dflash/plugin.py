@@ -194,6 +194,9 @@ class DFlash(RowProposals, Node):
         wait in the target's tap buffer, and the next cycle that drafts takes them from there."""
         cfg, cache = self.config, self.caches[req.slot]
         rows, start = (features.hidden, features.start) if features is not None else (self._no_rows(), cache.length)
+        if k == 0:  # nothing read or copied: a deferred cycle in a long streak would copy every row it skipped
+            cache.crop(min(start, cache.length))  # drop last cycle's block
+            return self._no_rows(), cache.length
         if start > cache.length:  # cycles without drafting skipped their rows: read them from the tap buffer
             tapped = self.ctx.target.features  # [slots, cells, n_taps * H]
             if tapped is None:
@@ -202,8 +205,6 @@ class DFlash(RowProposals, Node):
                                        "(carried) and tap the target")
             rows, start = torch.cat([tapped[req.slot:req.slot + 1, cache.length:start], rows], dim=1), cache.length
         cache.crop(start)  # drop anything past the rows (last cycle's block, rejected drafts)
-        if k == 0:
-            return rows[:, :0], cache.length
         if start + rows.shape[1] != req.position:  # the rows do not end at the anchor
             self._ingest(cache, rows, start)
             if cache.length != req.position:
