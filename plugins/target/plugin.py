@@ -72,8 +72,8 @@ PARAMS = (
               choices=("select", "replay")),
     ParamSpec("quantized", "bool", False, "GGUF targets on CUDA: true keeps the attention and dense-MLP projections "
               "of types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in their blocks (Triton kernels dequantize "
-              "inside the product, on a repacked layout: less memory, but on the H200 decode is still slower than the "
-              "dequantized weights, Q4_K_M 0.82x bf16; docs/GGUF.md); a MoE's merged experts of those types then stay "
+              "inside the product, on a repacked layout: less memory; a Q4_K_M 8B decodes 1.14x faster than bf16 on the "
+              "H200 but its verify windows cost more, so a DFlash cycle is slower (8.9 against 6.7 ms; docs/GGUF.md)); a MoE's merged experts of those types then stay "
               "quantized on the host and are dequantized on the device per upload (docs/MOE.md); false (default): "
               "dequantize every weight at load. The CPU always dequantizes"),
     ParamSpec("expert_cache", "int", 0, "MoE targets: routed experts kept resident on the device (0 = autosize from "
