@@ -23,6 +23,9 @@ PARAMS = (
     ParamSpec("explore_every", "int", 16, "re-measure a neighbouring K after this many cycles (0: never); the gap doubles "
               "while the best K holds, up to 16 times this", minimum=0),
     ParamSpec("step", "int", 1, "how many grid places from the best K the re-measured neighbour lies", minimum=1),
+    ParamSpec("sampled_only", "bool", False, "choose K only for cycles with a sampled (temperature > 0) row: a "
+              "cycle of greedy rows drafts num_draft, and greedy requests' acceptance is not counted (for a graph "
+              "whose fixed num_draft measured fastest at T = 0, e.g. graphs/demo.yaml)"),
 )
 
 
@@ -40,10 +43,13 @@ class AdaptiveK(Node):
         self.next_explore = self.gap
         given = ctx.params.get("ks") or [k for k in GRID if k <= ctx.num_draft] + [ctx.num_draft]
         self.grid = sorted({k for k in given if k <= ctx.num_draft} | {0})  # K = 0 is always allowed
+        self.sampled_only = bool(ctx.params.get("sampled_only"))
 
     def choose_draft(self, batch) -> int:
         k_max = max(k for k in self.grid if k <= batch.num_draft)  # the widest allowed K this cycle may use
         rows = [req for _, req in batch.active()]
+        if self.sampled_only and all(r.sampling.temperature == 0 for r in rows):
+            return batch.num_draft
         n = len(rows)
         measured = self.costs.measured(n)
         if k_max not in measured:  # first cycles at this batch size: measure both ends
@@ -84,7 +90,7 @@ class AdaptiveK(Node):
         self.cycles += 1
 
     def commit(self, req, info):
-        if info.num_draft:
+        if info.num_draft and not (self.sampled_only and req.sampling.temperature == 0):
             self.acceptance.update(req.request_id, info.num_draft, info.accepted)
         return {}
 

@@ -47,3 +47,30 @@ def test_a_policy_answer_outside_the_range_is_refused(monkeypatch):
     state = ex.start([5, 6, 7], SamplingParams(max_new_tokens=8))
     with pytest.raises(ModelFormatError, match=r"chose K=8; a policy's choose_draft must return an integer in \[0, 7\]"):
         ex.step([state])
+
+
+def test_sampled_only_leaves_greedy_cycles_at_num_draft_and_chooses_for_sampled_ones(tmp_path):
+    """`sampled_only: true` in YAML: a greedy request drafts num_draft every cycle (without it the policy measures
+    K = 0 among its first cycles); an unseeded sampled request gets the policy's choices, K = 0 among them."""
+    graph = DEMO_GRAPH.read_text().replace("path: ./", f"path: {SMALL_PAIR}/")
+    (tmp_path / "on.yaml").write_text(graph.rstrip("\n").split("  policy:")[0]
+                                      + "  policy:\n    plugin: adaptive_k\n    params:\n      sampled_only: true\n")
+    (tmp_path / "off.yaml").write_text(graph)
+
+    def ks(name, *extra):
+        trace = tmp_path / f"{name}{len(extra)}.jsonl"
+        r = run_cli(["generate", "def fibonacci(n):", "--graph", str(tmp_path / name), "--max-new-tokens", "48",
+                     "--ignore-eos", "--json", "--trace", str(trace), *extra])
+        assert r.returncode == 0, r.stderr
+        cycles = [json.loads(line) for line in trace.read_text().splitlines() if '"draft_cycle"' in line]
+        # the last cycles draft at most what is left of the token budget
+        return [c["k"] for c in cycles if 48 - c["position"] + cycles[0]["position"] > 8], json.loads(r.stdout)
+
+    greedy, out = ks("on.yaml")
+    assert greedy and set(greedy) == {7}, greedy
+    assert 0 in ks("off.yaml")[0][:3]  # the same request under the plain policy: both ends measured first
+    sampled, _ = ks("on.yaml", "--temperature", "1")
+    assert 0 in sampled[:3] and len(set(sampled)) >= 2, sampled
+    plain = run_cli(["generate", "def fibonacci(n):", "--graph", str(tmp_path / "on.yaml"), "--max-new-tokens", "48",
+                     "--ignore-eos", "--json", "--set", "num_draft=0"])
+    assert out["token_ids"] == json.loads(plain.stdout)["token_ids"]
