@@ -8,6 +8,8 @@ bucket: the first cycles at a bucket measure K_max and K = 0, later ones the bes
 ``explore_every`` cycles a neighbour of the best (or an end point) is re-measured, so the
 table follows the load, and the gap doubles while the best K holds (up to 16 times), so a
 settled answer costs little exploration. Lossless like every K: only speed depends on it.
+With ``sampled_only`` it chooses only for cycles with a sampled row (greedy cycles draft
+``num_draft``), for graphs whose fixed K is the fastest measured greedy setting.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-import torch.nn.functional as F
-
 from draftflow.plugin import (
     EMBED_BUFFER,
     HEAD_BUFFER,
@@ -72,10 +70,11 @@ PARAMS = (
               choices=("select", "replay")),
     ParamSpec("quantized", "bool", False, "GGUF targets on CUDA: true keeps the attention and dense-MLP projections "
               "of types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in their blocks (Triton kernels dequantize "
-              "inside the product, on a repacked layout: less memory; a Q4_K_M 8B decodes 1.14x faster than bf16 on the "
-              "H200 but its verify windows cost more, so a DFlash cycle is slower (8.9 against 6.7 ms; docs/GGUF.md)); a MoE's merged experts of those types then stay "
-              "quantized on the host and are dequantized on the device per upload (docs/MOE.md); false (default): "
-              "dequantize every weight at load. The CPU always dequantizes"),
+              "inside the product, on a repacked layout: less memory; a Q4_K_M 8B decodes 1.14x faster than bf16 on "
+              "the H200 but its verify windows cost more, so a DFlash cycle is slower (8.9 against 6.7 ms; "
+              "docs/GGUF.md)); a MoE's merged experts of those types then stay quantized on the host and are "
+              "dequantized on the device per upload (docs/MOE.md); false (default): dequantize every weight at load. "
+              "The CPU always dequantizes"),
     ParamSpec("expert_cache", "int", 0, "MoE targets: routed experts kept resident on the device (0 = autosize from "
               "what vram_budget leaves); pin it so target-only and speculative runs get the same cache (docs/MOE.md)", minimum=0),
 )
