@@ -74,3 +74,15 @@ def test_sampled_only_leaves_greedy_cycles_at_num_draft_and_chooses_for_sampled_
     plain = run_cli(["generate", "def fibonacci(n):", "--graph", str(tmp_path / "on.yaml"), "--max-new-tokens", "48",
                      "--ignore-eos", "--json", "--set", "num_draft=0"])
     assert out["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
+def test_a_sampled_only_that_is_not_a_bool_is_one_line_naming_node_and_param(tmp_path):
+    graph = DEMO_GRAPH.read_text().replace("path: ./", f"path: {SMALL_PAIR}/")
+    path = tmp_path / "g.yaml"
+    path.write_text(graph.rstrip("\n") + "\n    params:\n      sampled_only: maybe\n")
+    before = path.read_text()
+    r = run_cli(["check", str(path)])
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "parameter 'sampled_only'" in ln]
+    assert len(lines) == 1 and "node 'policy'" in lines[0], r.stderr
+    assert path.read_text() == before
