@@ -47,6 +47,7 @@ RANGES = {
     "selector_rank": (1, True, INT_MAX, "the codebook width"),
     "selector_top_k": (1, True, INT_MAX, "candidates per row"),
     "selector_alpha": (0.0, True, math.inf, "the selector loss weight"),
+    "distill": (0.0, True, 1.0, "a weight from 0 to 1"),
     "selector_warmup": (0.0, True, 1.0, "a share of the run"),
     "selector_ramp": (0.0, True, 1.0, "a share of the run"),
     "num_draft": (1, True, INT_MAX, "drafts per cycle"),

@@ -35,7 +35,8 @@ BLOCKS, DFLASH2, MTP, REGEN = ("dflash", "dflash2"), ("dflash2",), ("mtp",), ("d
 # another recipe is refused rather than ignored; these are their defaults.
 RECIPE_DEFAULTS = {"regen_windows": 16384, "regen_temperature": 0.0, "regen_body_share": 0.0, "anchors": 16, "conv_kernel_size": 2,
                    "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0,
-                   "selector_warmup": 0.0005, "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4}
+                   "selector_warmup": 0.0005, "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4,
+                   "distill": 0.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     only(d, BLOCKS, "--layers", type=int, help="draft layers (default 2)")
     only(d, BLOCKS, "--block-size", type=int, help="B: anchor + B-1 drafts (default 8)")
     only(d, BLOCKS, "--anchors", type=int, help="random anchors (blocks) per sequence (default 16)")
+    only(d, BLOCKS, "--distill", type=float, metavar="W", help="weight of the KL to the target's own next-token "
+         "distribution (temperature 1) in each row's loss, (1 - W) x cross-entropy + W x KL; 0 to 1 (default 0: "
+         "labels only). Teaches the drafter how sure the target is, which sampled (T > 0) verification accepts")
     only(d, BLOCKS, "--gamma", type=float, help="loss decay exp(-(k-1)/gamma); default 7/5/4 for B 16/10/8")
     only(d, BLOCKS, "--tap-layers", help="target layers to read, e.g. 1,2,3 (default: z-lab's rule, or 1..L-1 for L < 8)")
     only(d, BLOCKS, "--mask-token-id", type=int, help=f"default: the tokenizer's {' / '.join(MASK_NAMES[:2])} token")
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             drafter = DFlashModel(_backbone_config(a, loaded), device=a.device)
             init_weights(drafter, seed=a.seed)
-        recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, labels, a.seed)
+        recipe = DFlashRecipe(target, drafter, a.anchors, a.gamma, labels, a.seed, a.distill)
     elif a.recipe == "dflash2":
         from draftflow.plugins.dflash.dflash2_config import DFlash2Config
         from draftflow.plugins.dflash.dflash2_loader import is_dflash2
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "--selector-rank and --selector-top-k)") from None
             drafter = new_drafter(cfg, seed=a.seed, init_from=a.init_from, device=a.device)
         recipe = DFlash2Recipe(target, drafter, a.anchors, a.gamma, labels, a.seed, a.selector_alpha,
-                               a.selector_warmup, a.selector_ramp, a.selector_stop_gradient)
+                               a.selector_warmup, a.selector_ramp, a.selector_stop_gradient, a.distill)
     else:
         from draftflow.tools.train.mtp_recipe import MtpRecipe, new_head
 

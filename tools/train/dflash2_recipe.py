@@ -111,8 +111,8 @@ class DFlash2Recipe(DFlashRecipe):
 
     def __init__(self, target, drafter: DFlash2Model, num_anchors: int = 16, gamma: float | None = None,
                  labels: str = "data", seed: int = 0, alpha: float = 1.0, warmup: float = SELECTOR_WARMUP,
-                 ramp: float = SELECTOR_RAMP, stop_gradient: bool = False) -> None:
-        super().__init__(target, drafter, num_anchors, gamma, labels, seed)
+                 ramp: float = SELECTOR_RAMP, stop_gradient: bool = False, distill: float = 0.0) -> None:
+        super().__init__(target, drafter, num_anchors, gamma, labels, seed, distill)
         self.config2: DFlash2Config = drafter.config2
         self.alpha, self.warmup, self.ramp, self.stop_gradient = alpha, warmup, ramp, stop_gradient
         self.progress = 1.0  # set by the loop before each step; 1.0 = full weight (evaluation, direct use)
@@ -148,7 +148,9 @@ class DFlash2Recipe(DFlashRecipe):
         # tokens: [B, S]; first_anchor: [B] or None, as DFlashRecipe.loss
         blocks = self.forward_blocks(tokens, first_anchor)
         token, (selector, recall) = self.token_loss(blocks), self.selector_loss(blocks)
-        self.loss_parts = {"token_loss": token.detach(), "selector_loss": selector.detach(), "recall": recall}
+        # token_loss's own parts (ce and kl with distill) are kept
+        self.loss_parts = {**self.loss_parts, "token_loss": token.detach(), "selector_loss": selector.detach(),
+                           "recall": recall}
         return token + self.selector_weight() * selector
 
     def propose(self, prefix: torch.Tensor, feats: torch.Tensor, k: int) -> dict[str, torch.Tensor]:

@@ -7,7 +7,11 @@ of its own block, never another block. Row k >= 1 predicts token a+k with weight
 exp(-(k-1)/gamma): early rows decide acceptance, so they count most. Labels are the data
 tokens (`labels="data"`; on windows the target wrote itself, `train/regenerate.py`, that is
 the paper's recipe) or the target's own greedy predictions at each position
-(`labels="target"`, distillation on raw text, exact only for row 1).
+(`labels="target"`, distillation on raw text, exact only for row 1). With `distill` = w > 0 a row's
+loss is `(1 - w) * CE(label) + w * KL(p || q)`, p the target's own next-token distribution
+(temperature 1) at the row's label position and q the row's unary distribution: the drafter
+learns how sure the target is, which is what rejection sampling accepts at T > 0 (sum of
+min(p, q)); the hard label keeps greedy drafting's argmax.
 
 The forward is the node's own `DFlashModel.forward` (plugins/dflash/model.py), run without a
 cache and with this recipe's metadata (`training_window`: positions and the context/block
@@ -89,17 +93,21 @@ class Blocks(NamedTuple):
     logits: torch.Tensor  # [B*N*(W-1), V] float32 unary logits (target head, multiplier, softcap)
     labels: torch.Tensor  # [B, N, W-1] the token each row should draft
     anchors: torch.Tensor  # [B, N] the anchor token of each block (row 1's predecessor)
+    teacher: torch.Tensor | None = None  # [B*N*(W-1), V] float32 p of the target at each row (distill only)
+    teacher_neg_entropy: torch.Tensor | None = None  # [B*N*(W-1)] sum of p log p (distill only)
 
 
 class DFlashRecipe:
     """Position-decayed block cross-entropy against a frozen target's features."""
 
     def __init__(self, target: TargetModel, drafter: DFlashModel, num_anchors: int = 16, gamma: float | None = None,
-                 labels: str = "data", seed: int = 0) -> None:
+                 labels: str = "data", seed: int = 0, distill: float = 0.0) -> None:
         if labels not in ("data", "target"):
             raise ValueError(f"labels {labels!r}: expected 'data' or 'target'")
+        if not 0.0 <= distill <= 1.0:
+            raise ValueError(f"distill {distill}: expected a weight in [0, 1]")
         self.target, self.module, self.config = target, drafter, drafter.config
-        self.num_anchors, self.labels = num_anchors, labels
+        self.num_anchors, self.labels, self.distill = num_anchors, labels, distill
         self.gamma = gamma or DEFAULT_GAMMA.get(self.config.block_size, 7.0)
         self.generator = torch.Generator().manual_seed(seed + 17)
         k = torch.arange(1, self.config.block_size, dtype=torch.float32)
@@ -129,7 +137,7 @@ class DFlashRecipe:
         cfg, width = self.config, self.config.block_size
         bsz, seq = tokens.shape
         with torch.no_grad():
-            rows = None if self.labels == "target" else 0  # 0: no logits, features only
+            rows = None if self.labels == "target" or self.distill > 0 else 0  # 0: no logits, features only
             logits, feats = self.target(tokens, 0, WindowKV(), logit_rows=rows, tap_layers=cfg.target_layer_ids)
         anchors = self._anchors(bsz, seq, first_anchor).to(tokens.device)  # [B, N]
         n = anchors.shape[1]
@@ -141,12 +149,27 @@ class DFlashRecipe:
         at = anchors[:, :, None] + torch.arange(1, width, device=tokens.device)  # [B, N, W-1] label positions
         source = tokens if self.labels == "data" else torch.cat([tokens[:, :1], logits.argmax(-1)[:, :-1]], 1)
         labels = source.gather(1, at.flatten(1)).view(bsz, n, width - 1)
-        return Blocks(hidden, out[0], labels, block[:, :, 0])
+        teacher = neg_entropy = None
+        if self.distill > 0:  # logits[:, i] is the target's distribution of token i + 1
+            with torch.no_grad():
+                rows_at = (at - 1).flatten(1)  # [B, N*(W-1)]
+                picked = logits.gather(1, rows_at[..., None].expand(-1, -1, logits.shape[-1]))  # [B, N*(W-1), V]
+                log_p = F.log_softmax(picked.float(), dim=-1).flatten(0, 1)  # [R, V]
+                del picked
+                teacher = log_p.exp()
+                neg_entropy = (teacher * log_p).sum(-1)  # [R]
+        return Blocks(hidden, out[0], labels, block[:, :, 0], teacher, neg_entropy)
 
     def token_loss(self, blocks: Blocks) -> torch.Tensor:
-        """Position-decayed cross-entropy of the unary logits."""
-        ce = F.cross_entropy(blocks.logits, blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
-        return self.decayed_mean(ce)
+        """Position-decayed cross-entropy of the unary logits (blended with the KL to the target with distill)."""
+        if blocks.teacher is None:
+            ce = F.cross_entropy(blocks.logits, blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
+            return self.decayed_mean(ce)
+        log_q = F.log_softmax(blocks.logits, dim=-1)  # [R, V], shared by both terms (one [R, V] buffer fewer)
+        ce = -log_q.gather(1, blocks.labels.flatten()[:, None]).view_as(blocks.labels)
+        kl = (blocks.teacher_neg_entropy - (blocks.teacher * log_q).sum(-1)).view_as(blocks.labels)
+        self.loss_parts = {"ce": self.decayed_mean(ce).detach(), "kl": self.decayed_mean(kl).detach()}
+        return self.decayed_mean((1.0 - self.distill) * ce + self.distill * kl)
 
     def decayed_mean(self, per_row: torch.Tensor) -> torch.Tensor:
         """Mean over rows with weight exp(-(k-1)/gamma) for draft row k."""
