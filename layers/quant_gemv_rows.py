@@ -58,7 +58,13 @@ INT8_QTYPES = QTYPES - {"Q6_K"}
 # registers, 23% occupancy (ncu: stalls on loads' scoreboards) and 38.1 us; 8 rows capped at 80 34.3 us (down 12288:
 # 19.5 against 20.2 us). The Qwen3-8B-shaped Q4_K_M step went 4.467 -> 4.219-4.220 ms, twice (docs/GGUF.md)
 INT8_BLOCK_N = {4: 8, 8: 16}
-INT8_MAXNREG = {4: 80, 8: None}
+INT8_MAXNREG = {4: 96, 8: None}
+# With int8 activations each loop step loads the next step's codes and scales before it computes its own (one more
+# step's bytes in flight a warp; 8-24 more registers a thread with Triton 3.9), by bits per code; the cap above rose to
+# 96 for it. One H100, Triton 3.6, CUDA graphs of 20 calls (benchmarks/results/h100_rows_prefetch_sweep.log): Q4_K
+# gate/up 24576 x 4096 34.7 -> 32.4 us, down 4096 x 12288 20.2 -> 18.7 us; Q8_0 gate/up 62.9 -> 54.9 us. The float
+# path (Q6_K) measured slower with it (down 44.2 -> 46.8 us) and keeps one load per step
+INT8_PREFETCH = {4: True, 8: True}
 PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
 
 
@@ -108,12 +114,58 @@ def _dp4a(codes, acts, acc, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _row_block(words, s, o, rows, last, ui, c, N, x0, x1, x2, x3, x4, x5, x6, x7, xa_lo, xa_hi, xb_lo, xb_hi, dx, xsum,
+               magic, bias_ptr, out_ptr, part_ptr, BITS: tl.constexpr, INT8: tl.constexpr, NATIVE: tl.constexpr,
+               HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr, DIRECT: tl.constexpr):
+    # one loop step: rows' codes `words` [BN, U, 4] and scales s, o [BN, U] times the chunk's activations, summed over
+    # the lanes; stored (DIRECT: with bias, rounded) or as the chunk's float32 partials
+    if INT8 > 0:  # integer dot products of the codes with the int8 activations, 4 a dp4a
+        lo = words
+        if BITS == 4:  # the codes' low and high nibbles as bytes
+            lo = words & 0x0F0F0F0F
+            hi = (words >> 4) & 0x0F0F0F0F
+        i1 = _dp4a(lo, xa_lo[None, :, :], 0, NATIVE)
+        if BITS == 4:
+            i1 = _dp4a(hi, xa_hi[None, :, :], i1, NATIVE)
+        isum = tl.sum(i1, axis=2)
+        if INT8 == 2:
+            i2 = _dp4a(lo, xb_lo[None, :, :], 0, NATIVE)
+            if BITS == 4:
+                i2 = _dp4a(hi, xb_hi[None, :, :], i2, NATIVE)
+            isum = isum * LOW + tl.sum(i2, axis=2)
+        ts = isum.to(tl.float32) * dx[None, :]  # [BN, U]
+    else:
+        high = words >> (12 if BITS == 4 else 16)
+        t = x0[None, :, :] * _plane(words, high, magic, 0, BITS)
+        t += x1[None, :, :] * _plane(words, high, magic, 1, BITS)
+        t += x2[None, :, :] * _plane(words, high, magic, 2, BITS)
+        t += x3[None, :, :] * _plane(words, high, magic, 3, BITS)
+        if BITS == 4:
+            t += x4[None, :, :] * _plane(words, high, magic, 4, BITS)
+            t += x5[None, :, :] * _plane(words, high, magic, 5, BITS)
+            t += x6[None, :, :] * _plane(words, high, magic, 6, BITS)
+            t += x7[None, :, :] * _plane(words, high, magic, 7, BITS)
+        ts = tl.sum(t, axis=2)
+    # [BN, U]: the row's sum over the lanes in every lane; lane 0 stores it (kept in the tile's layout: no trip
+    # through shared memory)
+    acc = tl.sum(ts * s + o * xsum[None, :], axis=1, keep_dims=True) + tl.zeros_like(s)
+    at = rows[:, None] + ui[None, :] * 0
+    live = (rows < last)[:, None] & (ui == 0)[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + at, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, _round(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        tl.store(part_ptr + c * N + at, acc, mask=live)
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b8_ptr, h_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, row_words, goff, soff, n_units, ROWS,
     magic,
     QTYPE: tl.constexpr, BITS: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr, EVEN: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr = False,
-    STAGES: tl.constexpr = 1, INT8: tl.constexpr = 0, NATIVE: tl.constexpr = True,
+    STAGES: tl.constexpr = 1, INT8: tl.constexpr = 0, NATIVE: tl.constexpr = True, PREFETCH: tl.constexpr = False,
 ):
     # x: [K]; w / b8 / h: the repacked rows (one tensor, three views); out: [N]; part: [chunks, N] float32; count:
     # one zero per row range. Program (g, c): rows g*ROWS .. over units c*U .. c*U + U - 1. DIRECT (one chunk):
@@ -132,6 +184,7 @@ def _gemv_rows_kernel(
     x2 = _widen(tl.load(x_ptr + xo + 8, mask=lx, other=0.0))
     x3 = _widen(tl.load(x_ptr + xo + 12, mask=lx, other=0.0))
     xs = x0 + x1 + x2 + x3
+    x4, x5, x6, x7 = x0, x0, x0, x0  # (8-bit codes have four planes: placeholders for _row_block's unused arguments)
     if BITS == 4:
         x4 = _widen(tl.load(x_ptr + xo + 16, mask=lx, other=0.0))
         x5 = _widen(tl.load(x_ptr + xo + 20, mask=lx, other=0.0))
@@ -139,6 +192,7 @@ def _gemv_rows_kernel(
         x7 = _widen(tl.load(x_ptr + xo + 28, mask=lx, other=0.0))
         xs += x4 + x5 + x6 + x7
     xsum = tl.sum(xs, axis=1)  # [U]: the unit's activations summed (the offset o's factor)
+    xa_lo, xa_hi, xb_lo, xb_hi, dx = xo, xo, xo, xo, xsum  # (placeholders where a path does not use them)
     if INT8 > 0:  # the unit's activations as INT8 int8 terms, 4 to a word in the order of the codes' bytes
         amax = tl.maximum(tl.abs(x0), tl.abs(x1))
         amax = tl.maximum(amax, tl.maximum(tl.abs(x2), tl.abs(x3)))
@@ -154,49 +208,26 @@ def _gemv_rows_kernel(
             xa_lo, xb_lo = _int8_pack(x0 * inv, x1 * inv, x2 * inv, x3 * inv, INT8)
     first = tl.program_id(0) * ROWS
     last = tl.minimum(first + ROWS, N)
-    for r0 in tl.range(first, last, BLOCK_N, num_stages=STAGES):
-        rows = r0 + tl.arange(0, BLOCK_N)
-        rw = tl.minimum(rows, N - 1).to(tl.int64) * row_words  # [BN] the row's first word
-        words, s, o = _step(w_ptr, w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u, goff,
-                            soff, QTYPE)  # [BN, U, 4], [BN, U]
-        if INT8 > 0:  # integer dot products of the codes with the int8 activations, 4 a dp4a
-            lo = words
-            if BITS == 4:  # the codes' low and high nibbles as bytes
-                lo = words & 0x0F0F0F0F
-                hi = (words >> 4) & 0x0F0F0F0F
-            i1 = _dp4a(lo, xa_lo[None, :, :], 0, NATIVE)
-            if BITS == 4:
-                i1 = _dp4a(hi, xa_hi[None, :, :], i1, NATIVE)
-            isum = tl.sum(i1, axis=2)
-            if INT8 == 2:
-                i2 = _dp4a(lo, xb_lo[None, :, :], 0, NATIVE)
-                if BITS == 4:
-                    i2 = _dp4a(hi, xb_hi[None, :, :], i2, NATIVE)
-                isum = isum * LOW + tl.sum(i2, axis=2)
-            ts = isum.to(tl.float32) * dx[None, :]  # [BN, U]
-        else:
-            high = words >> (12 if BITS == 4 else 16)
-            t = x0[None, :, :] * _plane(words, high, magic, 0, BITS)
-            t += x1[None, :, :] * _plane(words, high, magic, 1, BITS)
-            t += x2[None, :, :] * _plane(words, high, magic, 2, BITS)
-            t += x3[None, :, :] * _plane(words, high, magic, 3, BITS)
-            if BITS == 4:
-                t += x4[None, :, :] * _plane(words, high, magic, 4, BITS)
-                t += x5[None, :, :] * _plane(words, high, magic, 5, BITS)
-                t += x6[None, :, :] * _plane(words, high, magic, 6, BITS)
-                t += x7[None, :, :] * _plane(words, high, magic, 7, BITS)
-            ts = tl.sum(t, axis=2)
-        # [BN, U]: the row's sum over the lanes in every lane; lane 0 stores it (kept in the tile's layout: no trip
-        # through shared memory)
-        acc = tl.sum(ts * s + o * xsum[None, :], axis=1, keep_dims=True) + tl.zeros_like(s)
-        at = rows[:, None] + ui[None, :] * 0
-        live = (rows < last)[:, None] & (ui == 0)[None, :]
-        if DIRECT:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + at, mask=live, other=0.0).to(tl.float32)
-            tl.store(out_ptr + at, _round(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
-        else:
-            tl.store(part_ptr + c * N + at, acc, mask=live)
+    if PREFETCH:  # the first step's codes and scales here; each step then loads the next one's before it computes
+        rw = tl.minimum(first + tl.arange(0, BLOCK_N), last - 1).to(tl.int64) * row_words
+        next_words, next_s, next_o = _step(w_ptr, w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units,
+                                           live_u, goff, soff, QTYPE)
+        for r0 in tl.range(first, last, BLOCK_N, num_stages=STAGES):
+            rows = r0 + tl.arange(0, BLOCK_N)
+            words, s, o = next_words, next_s, next_o
+            rw = tl.minimum(rows + BLOCK_N, last - 1).to(tl.int64) * row_words  # past the range: its last row again
+            next_words, next_s, next_o = _step(w_ptr, w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None],
+                                               units, live_u, goff, soff, QTYPE)
+            _row_block(words, s, o, rows, last, ui, c, N, x0, x1, x2, x3, x4, x5, x6, x7, xa_lo, xa_hi, xb_lo, xb_hi,
+                       dx, xsum, magic, bias_ptr, out_ptr, part_ptr, BITS, INT8, NATIVE, HAS_BIAS, OUT_BF16, DIRECT)
+    else:
+        for r0 in tl.range(first, last, BLOCK_N, num_stages=STAGES):
+            rows = r0 + tl.arange(0, BLOCK_N)
+            rw = tl.minimum(rows, N - 1).to(tl.int64) * row_words  # [BN] the row's first word
+            words, s, o = _step(w_ptr, w_ptr + rw[:, None, None], b8_ptr, h_ptr, (rw * 4)[:, None], units, live_u,
+                                goff, soff, QTYPE)  # [BN, U, 4], [BN, U]
+            _row_block(words, s, o, rows, last, ui, c, N, x0, x1, x2, x3, x4, x5, x6, x7, xa_lo, xa_hi, xb_lo, xb_hi,
+                       dx, xsum, magic, bias_ptr, out_ptr, part_ptr, BITS, INT8, NATIVE, HAS_BIAS, OUT_BF16, DIRECT)
     if not DIRECT:  # the range's last program to arrive sums its chunks in order
         chunks = tl.num_programs(1)
         tl.debug_barrier()  # every thread's partials are written before the release below
@@ -229,11 +260,14 @@ def fits(x: torch.Tensor, packed: torch.Tensor, qtype: str, out: torch.Tensor | 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, rows: int | None = None, block_n: int | None = None,
-         maxnreg: int | None = None, stages: int | None = None, int8: int | None = None) -> torch.Tensor:  # [1, N]
+         maxnreg: int | None = None, stages: int | None = None, int8: int | None = None,
+         prefetch: bool | None = None) -> torch.Tensor:  # [1, N]
     """x [1, K] @ W^T (+ bias) for repacked rows `packed` [N, row bytes]; `rows` per program (None: by the grid),
     `block_n` rows a loop step (None: BLOCK_N, or INT8_BLOCK_N with int8, by bits), `maxnreg` a register cap for ptxas
-    (None: INT8_MAXNREG with int8), `stages` loop steps in flight (None: STAGES by bits) (benchmark sweeps); `int8` the
-    activations' int8 terms (0: float multiply-adds; None: `int8_terms`). The result is in x.dtype."""
+    (None: INT8_MAXNREG with int8), `stages` loop steps in flight (None: STAGES by bits), `prefetch` whether a step
+    loads the next step's codes before it computes (None: INT8_PREFETCH by bits with int8, else no) (benchmark
+    sweeps); `int8` the activations' int8 terms (0: float multiply-adds; None: `int8_terms`). The result is in
+    x.dtype."""
     int8 = int8_terms(x, qtype) if int8 is None else int8
     if int8 not in (0, 1, 2):
         raise ValueError(f"int8 terms must be 0, 1 or 2, not {int8}")
@@ -254,7 +288,9 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor |
         x, w32, w8, w16, bias if bias is not None else x, out, part, arrival_counters(x.device), n, row_words, goff,
         soff, n_units, rows, MAGIC, QTYPE=_CODE[qtype], BITS=SPEC[qtype][0], U=UNITS, BLOCK_N=block_n,
         HAS_BIAS=bias is not None, OUT_BF16=out.dtype == torch.bfloat16, EVEN=n_units % UNITS == 0, DIRECT=direct,
-        STAGES=stages or STAGES[SPEC[qtype][0]], INT8=int8, NATIVE=not _INTERPRETED, num_warps=WARPS, **pdl(x.device),
+        STAGES=stages or STAGES[SPEC[qtype][0]], INT8=int8, NATIVE=not _INTERPRETED,
+        PREFETCH=(int8 > 0 and INT8_PREFETCH[SPEC[qtype][0]]) if prefetch is None else prefetch, num_warps=WARPS,
+        **pdl(x.device),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

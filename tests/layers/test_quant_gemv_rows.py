@@ -101,6 +101,19 @@ def test_loop_steps_in_flight_give_the_same_product(qtype):
     assert_product(window.float(), xs.float(), w, rtol=2 ** -7)
 
 
+@pytest.mark.parametrize(("qtype", "int8"), [("Q4_K", 0), ("Q4_K", 2), ("Q8_0", 2), ("Q6_K", 0)])
+def test_prefetching_the_next_step_gives_the_same_product(qtype, int8):
+    """`prefetch` (a step loads the next step's codes before computing its own) moves loads, not arithmetic:
+    bit-identical products over ragged row ranges (37 rows, 16 a program: the last range has 5) and several chunks."""
+    packed, w, k = _packed(qtype, 37, 72 if qtype == "Q4_K" else 48, seed=8)
+    x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(9))
+    x = x.to(torch.bfloat16) if int8 else x
+    plain = rows_kernel.gemv(x, packed, qtype, rows=16, block_n=8, int8=int8, prefetch=False)
+    assert torch.equal(rows_kernel.gemv(x, packed, qtype, rows=16, block_n=8, int8=int8, prefetch=True), plain)
+    if not int8:
+        assert_product(plain, x, w)
+
+
 @pytest.mark.parametrize(("qtype", "units"), [("Q4_K", 72), ("Q6_K", 48), ("Q8_0", 40), ("Q5_0", 32)])
 def test_int8_activations_take_the_codes_products_as_integer_dot_products(qtype, units):
     """16-bit activations of INT8_QTYPES: the kernel quantizes each unit's activations (two int8 terms by default)

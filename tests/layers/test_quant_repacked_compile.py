@@ -57,7 +57,7 @@ for qtype in ("Q4_K", "Q6_K", "Q8_0"):  # the one-row kernel with the activation
     bn = (qr.INT8_BLOCK_N if int8 else qr.BLOCK_N)[SPEC[qtype][0]]
     consts = dict(QTYPE=rg._CODE[qtype], BITS=SPEC[qtype][0], U=qr.UNITS, BLOCK_N=bn, HAS_BIAS=False,
                   OUT_BF16=True, EVEN=True, DIRECT=False, PDL=True, STAGES=qr.STAGES[SPEC[qtype][0]], INT8=int8,
-                  NATIVE=True)
+                  NATIVE=True, PREFETCH=bool(int8) and qr.INT8_PREFETCH[SPEC[qtype][0]])
     regs, local, sass = compile_(qr._gemv_rows_kernel, types, consts, qr.WARPS, ("N", "row_words", "goff", "soff",
                                                                                 "n_units", "magic"),
                                  qr.INT8_MAXNREG[SPEC[qtype][0]] if int8 else None)
@@ -80,9 +80,11 @@ print("compiled")
 # `tl.range(num_stages=STAGES)` with STAGES 1 (2026-12-04; Triton 3.6: 7.3 / 7.6 / 7.7 -> 6.8 / 6.9 / 7.2).
 # With int8 activations (two terms, 16 rows a step, dp4a; 2026-12-05, Triton 3.9): Q4_K / Q6_K / Q8_0 2.6 / 2.9 / 3.2
 # (one term: Q4_K 2.3); the float path at the same commit: 5.0 / 5.4 / 6.0. Since 2026-12-06 4-bit int8 takes 8 rows a
-# step under a cap of 80 registers (INT8_MAXNREG): Q4_K 2.56, 64 registers.
+# step under a cap of 80 registers (INT8_MAXNREG): Q4_K 2.56, 64 registers. Since 2026-12-06 (nineteenth session) the
+# int8 loop loads the next step's codes before computing (INT8_PREFETCH, cap 96): Q4_K / Q6_K / Q8_0 2.69 / 3.08 / 3.53
+# at 80 / 56 / 48 registers (one term: 2.34 / 2.66 / 3.16).
 BUDGET = {("Q4_K", "rows-int8x2"): 3.0, ("Q4_K", "rows-int8x1"): 2.6, ("Q6_K", "rows-int8x2"): 3.3,
-          ("Q8_0", "rows-int8x2"): 3.6, ("Q4_K", "rows"): 5.0, ("Q6_K", "rows"): 6.0, ("Q8_0", "rows"): 6.5,
+          ("Q8_0", "rows-int8x2"): 3.7, ("Q4_K", "rows"): 5.0, ("Q6_K", "rows"): 6.0, ("Q8_0", "rows"): 6.5,
           ("Q4_K", "1"): 5.0, ("Q6_K", "1"): 6.0, ("Q8_0", "1"): 5.6, ("Q4_K", "16"): 6.0, ("Q4_K", "20"): 6.0,
           ("Q4_K", "33"): 6.2}
 
