@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +28,19 @@ def target(tmp_path_factory):
                             kv_heads=2, intermediate=64, context=256)
 
 
+def _pair(target):
+    """The tiny target and a random 1-layer DFlash drafter (block 4) for it."""
+    model = load_hf(target, "cpu", torch.float32).model
+    drafter = DFlashModel(new_config(model, num_layers=1, block_size=4, tap_layers=(0, 1), mask_token_id=255))
+    init_weights(drafter, std=0.2, seed=5)
+    return model, drafter
+
+
 @pytest.mark.parametrize("labels", ["data", "target"])
 def test_row_loss_is_ce_and_kl_to_the_target_at_the_label_position(target, labels):
     """Every row's teacher is the target's softmax at the position before its label, and the loss is the decayed mean
     of (1 - w) CE + w KL, recomputed here from one plain target forward."""
-    model = load_hf(target, "cpu", torch.float32).model
-    cfg = new_config(model, num_layers=1, block_size=4, tap_layers=(0, 1), mask_token_id=255)
-    drafter = DFlashModel(cfg)
-    init_weights(drafter, std=0.2, seed=5)
+    model, drafter = _pair(target)
     seq, width, w = 24, 4, 0.3
     recipe = DFlashRecipe(model, drafter, num_anchors=seq, labels=labels, distill=w)  # every anchor 1 .. S-W
     tokens = torch.randint(0, 255, (2, seq), generator=torch.Generator().manual_seed(1))
@@ -64,10 +68,7 @@ def test_row_loss_is_ce_and_kl_to_the_target_at_the_label_position(target, label
 
 def test_distill_zero_is_the_plain_cross_entropy(target):
     """w = 0 computes no teacher and gives the labels-only loss."""
-    model = load_hf(target, "cpu", torch.float32).model
-    cfg = new_config(model, num_layers=1, block_size=4, tap_layers=(0, 1), mask_token_id=255)
-    drafter = DFlashModel(cfg)
-    init_weights(drafter, std=0.2, seed=5)
+    model, drafter = _pair(target)
     tokens = torch.randint(0, 255, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = DFlashRecipe(model, drafter, num_anchors=24, labels="data")
@@ -106,10 +107,9 @@ def test_bad_distill_is_one_error_before_training(target, tmp_path, argv, messag
 
 
 def test_distill_weight_outside_zero_one_is_refused_by_the_recipe(target):
-    model = load_hf(target, "cpu", torch.float32).model
-    cfg = new_config(model, num_layers=1, block_size=4, tap_layers=(0, 1), mask_token_id=255)
+    model, drafter = _pair(target)
     with pytest.raises(ValueError, match="distill 2"):
-        DFlashRecipe(model, DFlashModel(cfg), distill=2.0)
+        DFlashRecipe(model, drafter, distill=2.0)
 
 
 def test_help_documents_distill():

@@ -12,10 +12,14 @@ import random
 import re
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from draftflow.core.errors import DraftflowError
+
+if TYPE_CHECKING:  # annotations only: torch is imported when a function needs it (the CLI checks flags first)
+    import torch
 
 # A `def` / `class` line ending in ':' (a wrapped signature's last line is not matched; its docstring's end is).
 _HEADER = re.compile(r"\s*(async\s+def|def|class)\s.*:\s*(#.*)?$")
