@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     only(d, BLOCKS, "--init-from", help="start from this trained drafter (HF directory or .gguf): dflash continues a "
          "DFlash (v1) drafter under a new schedule; dflash2 takes a DFlash drafter as its backbone, or continues a "
          "DFlash2 drafter (convolutions and selector too); its shape replaces --layers, --block-size, --tap-layers, "
-         "--mask-token-id, --intermediate (and, from a DFlash2, the dflash2 shape flags)")
+         "--mask-token-id, --intermediate (and, from a DFlash2, the dflash2 shape flags). dflash with more --layers "
+         "than it has grows it: new layers after its own, starting as identities (output projections zero)")
     s = p.add_argument_group("dflash2")
 
     only(s, DFLASH2, "--conv-kernel-size", type=int, help="K: taps of the dynamic convolutions (default 2)")
@@ -258,11 +259,17 @@ def main(argv: list[str] | None = None) -> int:
 
         if a.init_from:
             from draftflow.tools.train.dflash2_recipe import init_backbone_config, load_backbone
+            from draftflow.tools.train.dflash_recipe import grown_config, zero_new_layers
 
             base = init_backbone_config(a.init_from, target)
-            _check_shape_flags(a, base)
-            drafter = DFlashModel(base, device=a.device)
-            load_backbone(drafter, a.init_from)
+            grow = a.layers is not None and a.layers > base.num_layers  # more layers than it has: grown
+            _check_shape_flags(a, grown_config(base, a.layers) if grow else base)
+            drafter = DFlashModel(grown_config(base, a.layers) if grow else base, device=a.device)
+            if grow:
+                init_weights(drafter, seed=a.seed)
+            load_backbone(drafter, a.init_from, base.num_layers if grow else None)
+            if grow:
+                zero_new_layers(drafter, base.num_layers)
             drafter.requires_grad_(True)
         else:
             drafter = DFlashModel(_backbone_config(a, loaded), device=a.device)

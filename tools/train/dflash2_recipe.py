@@ -78,11 +78,14 @@ def _fits_target(cfg: DFlashConfig, path: str, target) -> DFlashConfig:
     return attrs.evolve(cfg, vocab_size=t.vocab_size, num_target_layers=t.num_layers)
 
 
-def load_backbone(drafter: torch.nn.Module, init_from: str) -> None:
-    """Copy the trained DFlash (v1) drafter's tensors at `init_from` into `drafter` (DFlash2: its backbone part)."""
+def load_backbone(drafter: torch.nn.Module, init_from: str, grown_from: int | None = None) -> None:
+    """Copy the trained DFlash (v1) drafter's tensors at `init_from` into `drafter` (DFlash2: its backbone part);
+    `grown_from`: the drafter has layers from this index on that `init_from` lacks (left as they are)."""
     tensors = read_artifact(init_from).tensors
     missing = set(drafter.state_dict()) - set(tensors)
     missing = {n for n in missing if not n.startswith("candidate_selector.") and "_conv." not in n}
+    if grown_from is not None:
+        missing = {n for n in missing if not (n.startswith("layers.") and int(n.split(".")[1]) >= grown_from)}
     if missing:
         raise DraftflowError(f"--init-from {init_from}: no tensor for {sorted(missing)[:3]}; the backbone "
                              "must match the drafter's shape")

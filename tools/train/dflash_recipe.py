@@ -25,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import attrs
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -50,6 +51,21 @@ def new_config(target: TargetModel, num_layers: int, block_size: int, tap_layers
         rope_theta=t.rope_theta, rope_scaling=t.rope_scaling, max_position_embeddings=t.max_position_embeddings,
         block_size=block_size, target_layer_ids=tuple(tap_layers), mask_token_id=mask_token_id,
         num_target_layers=t.num_layers, vocab_size=t.vocab_size)
+
+
+def grown_config(cfg: DFlashConfig, num_layers: int) -> DFlashConfig:
+    """`cfg` with `num_layers` layers (more than it has); a listed layer type repeats the last one."""
+    types = cfg.layer_types + (cfg.layer_types[-1:] * (num_layers - cfg.num_layers) if cfg.layer_types else ())
+    return attrs.evolve(cfg, num_layers=num_layers, layer_types=types)
+
+
+def zero_new_layers(drafter: DFlashModel, first: int) -> None:
+    """Layers `first`.. add nothing to the residual stream yet (their attention output and MLP down projections
+    zero), so a grown drafter drafts exactly as the drafter it grew from until training moves them."""
+    with torch.no_grad():
+        for layer in drafter.layers[first:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 def training_window(drafter: DFlashModel, anchors: torch.Tensor, seq: int, width: int) -> Window:
