@@ -262,14 +262,14 @@ def main(argv: list[str] | None = None) -> int:
             from draftflow.tools.train.dflash_recipe import grown_config, zero_new_layers
 
             base = init_backbone_config(a.init_from, target)
-            grow = a.layers is not None and a.layers > base.num_layers  # more layers than it has: grown
-            _check_shape_flags(a, grown_config(base, a.layers) if grow else base)
-            drafter = DFlashModel(grown_config(base, a.layers) if grow else base, device=a.device)
-            if grow:
+            # more --layers than it has: grown (layers base.num_layers.. are new; none when not grown)
+            cfg = grown_config(base, a.layers) if a.layers and a.layers > base.num_layers else base
+            _check_shape_flags(a, cfg)
+            drafter = DFlashModel(cfg, device=a.device)
+            if cfg is not base:
                 init_weights(drafter, seed=a.seed)
-            load_backbone(drafter, a.init_from, base.num_layers if grow else None)
-            if grow:
-                zero_new_layers(drafter, base.num_layers)
+            load_backbone(drafter, a.init_from, grown_from=base.num_layers)
+            zero_new_layers(drafter, base.num_layers)
             drafter.requires_grad_(True)
         else:
             drafter = DFlashModel(_backbone_config(a, loaded), device=a.device)
