@@ -104,6 +104,7 @@ def test_cli_trains_dflash_on_regenerated_windows(tmp_path):
     assert "regenerated 64 windows of 48 tokens (12-20 of text, the rest written by the target)" in r.stderr
     s = json.loads(summary.read_text())
     assert s["steps"] == 30 and s["last_loss"] < s["first_loss"] - 0.3, s
+    assert s["regen_passes"] == 3.75 and "went over the" not in r.stderr  # 30 x 8 / 64: no note
     assert (tmp_path / "d" / "model.safetensors").exists()
 
 
@@ -157,6 +158,10 @@ def test_cli_trains_mtp_on_regenerated_windows(tmp_path):
     assert "regenerated 32 windows of 48 tokens (16-47 of text" in r.stderr
     s = json.loads(summary.read_text())
     assert s["last_loss"] < s["first_loss"] - 0.3 and s["evaluations"][-1][1]["loss"] > 0, s
+    # 20 steps of 8 windows over a pool of 32: 5 passes, past POOL_PASSES; the note says how many windows would do
+    assert s["regen_passes"] == 5.0
+    assert ("note: 20 steps of 8 windows went over the 32 regenerated windows 5 times; past about 4 the held-out loss "
+            "rose in the demo's runs (docs/TRAINING.md): for a run this long give --regen-windows 40 or more") in r.stderr
 
 
 def test_sampled_regeneration_draws_from_the_targets_distribution(demo, stream):
