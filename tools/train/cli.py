@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,12 +32,12 @@ MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 
 
 BLOCKS, DFLASH2, MTP, REGEN = ("dflash", "dflash2"), ("dflash2",), ("mtp",), ("dflash", "dflash2", "mtp")
-# Options of some recipes only (or of --labels regenerate): they parse to None unless given, so an option of
-# another recipe is refused rather than ignored; these are their defaults.
 # Passes over the regenerated pool past which `train` prints a note: the demo's 3-layer DFlash at 4.9 passes ended with
 # held-out loss 1.90 (training 1.67), at 13.1 passes 2.85 (training 1.28); 2-layer runs at 2.3 passes held 1.60-1.67
 # (docs/TRAINING.md, "Growing a drafter")
 POOL_PASSES = 4
+# Options of some recipes only (or of --labels regenerate): they parse to None unless given, so an option of
+# another recipe is refused rather than ignored; these are their defaults.
 RECIPE_DEFAULTS = {"regen_windows": 16384, "regen_temperature": 0.0, "regen_body_share": 0.0, "anchors": 16, "conv_kernel_size": 2,
                    "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0,
                    "selector_warmup": 0.0005, "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4,
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {result.steps} steps of {a.batch_size} windows went over the {a.regen_windows} regenerated "
               f"windows {passes:g} times; past about {POOL_PASSES} the held-out loss rose in the demo's runs "
               f"(docs/TRAINING.md): for a run this long give --regen-windows "
-              f"{-(-result.steps * a.batch_size // POOL_PASSES)} or more", file=sys.stderr)
+              f"{math.ceil(result.steps * a.batch_size / POOL_PASSES)} or more", file=sys.stderr)
     if a.summary:
         losses = result.losses
         summary = {
