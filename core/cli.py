@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens")
     g.add_argument("--compare", action="store_true", help="then run the request on the graph's target alone (no "
                    "drafters) and report its tokens/s and the speedup")
+    g.add_argument("--compare-rounds", type=int, metavar="N", help="--compare: rounds of (speculative run, target-only "
+                   "run); the speedup is the median of their ratios (default 3)")
     _add_threads_arg(g)
     _add_graph_args(g, positional=False)
 
@@ -223,6 +225,8 @@ def cmd_generate(args) -> int:
         raise DraftflowError("give the prompt once: either text (PROMPT or --prompt) or --prompt-ids, not both")
     if args.prompt_ids is None and text is None:
         raise DraftflowError("no prompt: pass PROMPT, --prompt TEXT or --prompt-ids 1,2,3")
+    if args.compare_rounds is not None and (args.compare_rounds < 1 or not args.compare):
+        raise DraftflowError(f"--compare-rounds {args.compare_rounds}: give a positive number of rounds, with --compare")
     if args.stream and args.json:
         raise DraftflowError("--stream prints text as it is generated and --json one object at the end; choose one")
     if args.graph and any([args.dflash, args.dflash2, args.mtp is not None, args.lookup]):
@@ -273,13 +277,13 @@ def cmd_generate(args) -> int:
         finally:
             if printer is not None:
                 session.registry.pm.unregister(printer)
+        compared = None
+        if args.compare:
+            from draftflow.core.compare import ROUNDS, compare
+
+            compared = compare(session, prompt_ids, sampling, result, args.threads, args.compare_rounds or ROUNDS)
     finally:
         session.close()
-    compared = None
-    if args.compare:
-        from draftflow.core.compare import compare
-
-        compared = compare(session.plan, prompt_ids, sampling, result, args.threads)
     if args.json:
         out = {"text": result.text, "token_ids": list(result.token_ids), "prompt_token_ids": list(result.prompt_token_ids),
                "finish_reason": result.finish_reason, "stats": result.stats}
@@ -308,7 +312,9 @@ def _compared(compared: dict | None, sampling) -> str:
     same = ""
     if sampling.temperature == 0:  # greedy: speculation must not change a token
         same = ", same tokens" if compared["identical"] else ", TOKENS DIFFER (please report this)"
-    return f"; target only {compared['target_only_tokens_per_s']:.1f} tok/s, speedup {speedup}{same}"
+    rounds = len(compared["rounds"])
+    over = f" (median of {rounds} rounds)" if rounds > 1 else ""
+    return f"; target only {compared['target_only_tokens_per_s']:.1f} tok/s, speedup {speedup}{over}{same}"
 
 
 def cmd_check(args) -> int:

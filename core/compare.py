@@ -2,16 +2,25 @@
 
 The target-only graph keeps the graph's target and verifier nodes with their resolved params
 (paths absolute), drops every drafter, selector and policy, and drafts nothing (`num_draft: 0`,
-no feature taps). Both runs load and warm up the same way, so their `tokens_per_s` (first
-emitted token to the last, prefill included) compare like for like. Greedy requests must give
-the same tokens: `identical` says whether they did.
+no feature taps). Both sessions load and warm up the same way, so their `tokens_per_s` (first
+emitted token to the last, prefill included) compare like for like.
+
+The speed of a shared or busy machine drifts between runs, so one run a side can put a
+machine's load change into the speedup. `compare` times ROUNDS rounds (`--compare-rounds`,
+default 3): round 1 pairs the printed (traced) run with a target-only run, each later round
+repeats the request on the speculative session (untraced) and then on the target alone. The
+reported speedup is the median of the rounds' ratios (each ratio pairs two adjacent runs),
+the target-only rate the median of its runs. Greedy requests must give the same tokens in
+every run: `identical` says whether they did.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 KEPT_ROLES = ("target", "verifier")
+ROUNDS = 3  # --compare-rounds's default
 
 
 def target_only_graph(plan) -> dict:
@@ -32,15 +41,30 @@ def target_only_graph(plan) -> dict:
     return graph
 
 
-def compare(plan, prompt_ids, sampling, result, threads) -> dict:
-    """Run `prompt_ids` on the target-only graph; return its speed, the speedup of `result` and whether they match."""
+def compare(session, prompt_ids, sampling, result, threads, rounds: int = ROUNDS) -> dict:
+    """Time `rounds` rounds of `prompt_ids` (speculative run, then target-only run); `result` is round 1's first run.
+
+    Returns the median target-only rate, the median of the rounds' speedups, whether every run gave
+    `result`'s tokens, and each round's rates.
+    """
     from draftflow.core.session import Session
 
-    baseline = Session.open(graph_dict=target_only_graph(plan), threads=threads)
+    baseline = Session.open(graph_dict=target_only_graph(session.plan), threads=threads)
+    runs, same = [], True
     try:
-        alone = baseline.generate(prompt_ids, sampling)
+        for i in range(rounds):
+            if i:
+                with session.untraced():
+                    spec = session.generate(prompt_ids, sampling)
+            else:
+                spec = result
+            alone = baseline.generate(prompt_ids, sampling)
+            same = same and list(spec.token_ids) == list(result.token_ids) == list(alone.token_ids)
+            spec_rate, base_rate = spec.stats["tokens_per_s"], alone.stats["tokens_per_s"]
+            runs.append({"tokens_per_s": spec_rate, "target_only_tokens_per_s": base_rate,
+                         "speedup": round(spec_rate / base_rate, 3) if base_rate else None})
     finally:
         baseline.close()
-    spec_rate, base_rate = result.stats["tokens_per_s"], alone.stats["tokens_per_s"]
-    return {"target_only_tokens_per_s": base_rate, "speedup": round(spec_rate / base_rate, 3) if base_rate else None,
-            "identical": list(alone.token_ids) == list(result.token_ids)}
+    ratios = [r["speedup"] for r in runs if r["speedup"] is not None]
+    return {"target_only_tokens_per_s": statistics.median(r["target_only_tokens_per_s"] for r in runs),
+            "speedup": round(statistics.median(ratios), 3) if ratios else None, "identical": same, "rounds": runs}

@@ -7,6 +7,7 @@ or path error is reported in a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib import resources
 from pathlib import Path
@@ -279,6 +280,19 @@ class Session:
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None, request_id: str | None = None) -> Result:
         return self.executor.generate(prompt_ids, sampling, request_id)
+
+    @contextlib.contextmanager
+    def untraced(self):
+        """Requests run inside it are not written to the trace file (generate --compare's repeated rounds)."""
+        if self.sink is None:
+            yield
+            return
+        name = self.registry.pm.get_name(self.sink)
+        self.registry.pm.unregister(self.sink)
+        try:
+            yield
+        finally:
+            self.registry.pm.register(self.sink, name=name)
 
     def close(self) -> None:
         if hasattr(self.executor, "close"):  # tensor parallelism: release the other ranks
