@@ -281,7 +281,7 @@ def cmd_generate(args) -> int:
         if args.compare:
             from draftflow.core.compare import ROUNDS, compare
 
-            compared = compare(session, prompt_ids, sampling, result, args.threads, args.compare_rounds or ROUNDS)
+            compared = compare(session, prompt_ids, sampling, result, args.compare_rounds or ROUNDS)
     finally:
         session.close()
     if args.json:

@@ -41,16 +41,16 @@ def target_only_graph(plan) -> dict:
     return graph
 
 
-def compare(session, prompt_ids, sampling, result, threads, rounds: int = ROUNDS) -> dict:
+def compare(session, prompt_ids, sampling, result, rounds: int = ROUNDS) -> dict:
     """Time `rounds` rounds of `prompt_ids` (speculative run, then target-only run); `result` is round 1's first run.
 
     Returns the median target-only rate, the median of the rounds' speedups, whether every run gave
-    `result`'s tokens, and each round's rates.
+    `result`'s tokens, and each round's rates. The target-only session runs on `session`'s threads.
     """
     from draftflow.core.session import Session
 
-    baseline = Session.open(graph_dict=target_only_graph(session.plan), threads=threads)
-    runs, same = [], True
+    baseline = Session.open(graph_dict=target_only_graph(session.plan), threads=session.threads)
+    want, runs, same = list(result.token_ids), [], True
     try:
         for i in range(rounds):
             if i:
@@ -59,7 +59,7 @@ def compare(session, prompt_ids, sampling, result, threads, rounds: int = ROUNDS
             else:
                 spec = result
             alone = baseline.generate(prompt_ids, sampling)
-            same = same and list(spec.token_ids) == list(result.token_ids) == list(alone.token_ids)
+            same = same and list(spec.token_ids) == want == list(alone.token_ids)
             spec_rate, base_rate = spec.stats["tokens_per_s"], alone.stats["tokens_per_s"]
             runs.append({"tokens_per_s": spec_rate, "target_only_tokens_per_s": base_rate,
                          "speedup": round(spec_rate / base_rate, 3) if base_rate else None})
