@@ -93,6 +93,10 @@ CASES = [
          r"--block-size is an option of dflash and dflash2, not of mtp; drop it"),
     Case("train-dflash2-option-for-dflash", train("dflash", "--selector-top-k", "8"),
          r"--selector-top-k is an option of dflash2, not of dflash"),
+    Case("train-mtp-layout-for-dflash", train("dflash", "--mtp-layout", "qwen3-next"),
+         r"--mtp-layout is an option of mtp, not of dflash; drop it"),
+    Case("train-mtp-layout-unknown", train("mtp", "--mtp-layout", "medusa"),
+         r"argument --mtp-layout: invalid choice: 'medusa'", exit=2),
     Case("train-prompt-len-without-regenerate", train("dflash", "--prompt-len", "8"),
          r"--prompt-len applies to --labels regenerate only"),
     # inputs that are not what they should be

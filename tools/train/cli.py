@@ -41,7 +41,7 @@ POOL_PASSES = 4
 RECIPE_DEFAULTS = {"regen_windows": 16384, "regen_temperature": 0.0, "regen_body_share": 0.0, "anchors": 16, "conv_kernel_size": 2,
                    "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_alpha": 1.0,
                    "selector_warmup": 0.0005, "selector_ramp": 0.0005, "selector_stop_gradient": False, "num_draft": 4,
-                   "distill": 0.0}
+                   "distill": 0.0, "mtp_layout": "deepseek-v3"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
          help="the selector loss trains only the selector (not the unary logits and hidden states)")
     m = p.add_argument_group("mtp")
     only(m, MTP, "--num-draft", type=int, help="chained drafts per cycle for the held-out estimate (default 4)")
+    only(m, MTP, "--mtp-layout", choices=("deepseek-v3", "qwen3-next"),  # plugins.mtp.weights.LAYOUTS (no torch here)
+         help="deepseek-v3 (default): the head has its own LM head, trained; qwen3-next: it shares the target's LM "
+              "head, frozen, and the file is vocab x hidden weights smaller")
     p.recipe_only = owners
     return p
 
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from draftflow.tools.train.mtp_recipe import MtpRecipe, new_head
 
-        recipe = MtpRecipe(target, new_head(target, a.seed), labels, a.num_draft)
+        recipe = MtpRecipe(target, new_head(target, a.seed, a.mtp_layout), labels, a.num_draft)
     width = recipe.config.block_size if a.recipe != "mtp" else 2
     _check_room(a.seq_len, width)
     if a.labels == "regenerate":

@@ -2,10 +2,15 @@
 
 For every position i of a window the head takes (t_{i+1}, h_i), h_i being the target's
 final post-norm hidden state, and predicts t_{i+2} (the data token, or with
-`labels="target"` the target's own greedy prediction there). The head is a DeepSeek-V3
-layout MTP module (`plugins/mtp/model.py`, unchanged): its own output norm and LM head
-start as copies of the target's, so step 0 already predicts "the next token after
-t_{i+1}" as well as the target's last layer can from h_i.
+`labels="target"` the target's own greedy prediction there). The head is an MTP module of
+`plugins/mtp/model.py`, unchanged, in either published layout:
+
+- `deepseek-v3` (the default): its own output norm and LM head, starting as copies of the
+  target's, so step 0 already predicts "the next token after t_{i+1}" as well as the target's
+  last layer can from h_i;
+- `qwen3-next`: its own output norm (x̂·(1+w), starting as the target's final norm) and the
+  target's LM head, shared and frozen as in Qwen3-Next: the file holds V x H fewer weights
+  (6.3 MB of the demo's BF16 head).
 """
 
 from __future__ import annotations
@@ -19,22 +24,31 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from draftflow.plugins.mtp.model import MtpHead
-from draftflow.plugins.mtp.weights import HEAD_NAMES
+from draftflow.plugins.mtp.weights import HEAD_NAMES, LAYOUTS
 from draftflow.layers.kv_cache import KVCache, static_shape
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.train.loop import WindowKV, estimate_acceptance, init_weights
 from draftflow.tools.train.output import write_files
 
-LAYOUT = "deepseek-v3"
+LAYOUT = "deepseek-v3"  # the default layout
 
 
-def new_head(target: TargetModel, seed: int = 0) -> MtpHead:
-    """A fresh trainable head bound to the target's embedding; out_norm and head start from the target's."""
-    head = MtpHead(target.config, LAYOUT, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device)
+def new_head(target: TargetModel, seed: int = 0, layout: str = LAYOUT) -> MtpHead:
+    """A fresh trainable head bound to the target's embedding (qwen3-next: and LM head); out_norm starts as the
+    target's final norm, deepseek-v3's own head as a copy of the target's."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
+    head = MtpHead(target.config, layout, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device)
     init_weights(head, seed=seed)
     with torch.no_grad():
-        head.out_norm.weight.copy_(target.norm.weight)
-        head.head.weight.copy_(target.head_weight())
+        if layout == "qwen3-next":  # every norm scales by (1 + w): unit gains are w = 0
+            for p in head.parameters():
+                if p.dim() == 1:
+                    p.zero_()
+        scale = target.norm.weight + 1 if target.config.norm_offset else target.norm.weight  # the target's gains
+        head.out_norm.weight.copy_(scale - 1 if layout == "qwen3-next" else scale)
+        if layout != "qwen3-next":
+            head.head.weight.copy_(target.head_weight())
     head.bind(target.embed_tokens.weight, target.head_weight())
     return head
 
@@ -84,15 +98,18 @@ class MtpRecipe:
         return {"loss": sum(losses) / max(1, len(losses)), **out}
 
     def save(self, out: Path, target_config: dict) -> None:
-        """`mtp.safetensors` with DeepSeek-V3 names (`model.layers.{N}.*`) and the target's config.json."""
-        prefix = f"model.layers.{self.target.config.num_layers}."
-        names = HEAD_NAMES[LAYOUT]
+        """`mtp.safetensors` with its layout's names (DeepSeek-V3: `model.layers.{N}.*`; Qwen3-Next: `mtp.*`, the
+        block under `mtp.layers.0.`) and the target's config.json."""
+        layout = self.module.layout
+        prefix = f"model.layers.{self.target.config.num_layers}." if layout == "deepseek-v3" else "mtp."
+        block = prefix if layout == "deepseek-v3" else "mtp.layers.0."
+        names = HEAD_NAMES[layout]
         state = {}
         for name, t in self.module.state_dict().items():
             if name in ("embed", "shared_head"):  # the target's tensors, bound (and registered) by `bind`
                 continue
-            rel = names.get(name) or name.removeprefix("block.")
-            state[prefix + rel] = t.detach().float().contiguous()
+            key = prefix + names[name] if name in names else block + name.removeprefix("block.")
+            state[key] = t.detach().float().contiguous()
         config = json.dumps(dict(target_config, num_nextn_predict_layers=1), indent=2) + "\n"
         write_files(out, {"mtp.safetensors": lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
                           "config.json": lambda tmp: tmp.write_text(config)})
