@@ -42,9 +42,9 @@ def test_the_flag_offers_the_loaders_layouts():
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_fresh_head_ends_in_the_targets_final_norm_and_lm_head(target, hybrid_target, kind, layout):
-    """At step 0 either layout's output norm scales as the target's final norm (x̂·w or x̂·(1+w) on either side), and
-    its LM head is the target's (qwen3-next: the same tensor; deepseek-v3: a copy), so both start from the target's
-    own next-token readout."""
+    """At step 0 either layout's output norm scales as the target's final norm (x̂·w or x̂·(1+w) on either side), its
+    other norms have unit gains, and its LM head is the target's (qwen3-next: the same tensor; deepseek-v3: a copy),
+    so both start from the target's own next-token readout."""
     model = load_hf(target if kind == "qwen3" else hybrid_target, "cpu", torch.float32).model
     assert model.config.norm_offset == (kind == "qwen3-next")
     with torch.no_grad():
@@ -52,6 +52,10 @@ def test_a_fresh_head_ends_in_the_targets_final_norm_and_lm_head(target, hybrid_
         head = new_head(model, seed=1, layout=layout)
         x = torch.randn(3, 32)
         assert torch.allclose(head.out_norm(x), model.norm(x), atol=1e-6)
+        for name, norm in head.named_modules():  # every other norm of the head starts with unit gains
+            if hasattr(norm, "eps") and getattr(norm, "weight", None) is not None and name != "out_norm":
+                y = x[:, : norm.weight.shape[0]]
+                assert torch.allclose(norm(y), y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + norm.eps), atol=1e-6), name
     if layout == "qwen3-next":
         assert not hasattr(head, "head") and head.shared_head is model.head_weight()
     else:

@@ -41,10 +41,10 @@ def new_head(target: TargetModel, seed: int = 0, layout: str = LAYOUT) -> MtpHea
     head = MtpHead(target.config, layout, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device)
     init_weights(head, seed=seed)
     with torch.no_grad():
-        if layout == "qwen3-next":  # every norm scales by (1 + w): unit gains are w = 0
-            for p in head.parameters():
-                if p.dim() == 1:
-                    p.zero_()
+        for name, p in head.named_parameters():  # a norm that scales by (1 + w) has unit gains at w = 0
+            offset = head.block_cfg.norm_offset if name.startswith("block.") else layout == "qwen3-next"
+            if offset and "norm" in name and p.dim() == 1:
+                p.zero_()
         scale = target.norm.weight + 1 if target.config.norm_offset else target.norm.weight  # the target's gains
         head.out_norm.weight.copy_(scale - 1 if layout == "qwen3-next" else scale)
         if layout != "qwen3-next":
