@@ -149,7 +149,7 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
             "--save-every", str(a.eval_every), "--eval-windows", str(a.eval_windows), "--eval-decode-tokens",
             str(a.eval_decode_tokens), "--overwrite"]
     if kind == "mtp":
-        return args + ["--labels", "target", "--lr", "3e-3"]
+        return args + ["--labels", "target", "--lr", "3e-3", "--mtp-layout", a.mtp_layout]
     # blocks need the target's own chain as labels (docs/TRAINING.md)
     args += ["--labels", "regenerate", "--regen-windows", str(a.regen_windows), "--anchors", str(a.anchors), "--gguf",
              str(work / f"{kind}.gguf")]
@@ -187,7 +187,7 @@ def store_as(folder: Path, dtype: torch.dtype) -> None:
         save_file(state, str(f), metadata={"format": "pt"})
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m draftflow.tools.make_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"))
     p.add_argument("--work", default="/tmp/draftflow-demo", help="checkpoints and the run summaries")
@@ -221,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--dflash-lr", type=float, default=3e-3)
     d.add_argument("--continue-dflash", action="store_true", help="dflash: continue training the drafter already in "
                    "OUT/dflash under a new schedule (new regenerated windows with another --seed)")
-    a = p.parse_args(argv)
+    d.add_argument("--mtp-layout", choices=("deepseek-v3", "qwen3-next"), default="deepseek-v3", help="mtp: train's "
+                   "--mtp-layout (qwen3-next shares the target's LM head: a 3.7 MB file instead of 10.0; "
+                   "docs/TRAINING.md, MTP layouts)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     out, work = Path(a.out), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import pytest
 from helpers import ROOT
 
 from draftflow.plugins.dflash.loader import read_artifact
+from draftflow.tools.make_demo import build_parser, drafter_args
 from draftflow.tools.make_demo import main as make_demo
 
 
@@ -73,3 +74,13 @@ def test_anchors_out_of_range_is_one_error_line(tmp_path, capsys):
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(tmp_path / "work"), "--anchors", "0"]) == 1
     assert capsys.readouterr().err == "error: --anchors 0: must be at least 1 (blocks per window)\n"
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("layout", ["deepseek-v3", "qwen3-next"])
+def test_mtp_stage_passes_its_layout_to_train(tmp_path, layout):
+    """--mtp-layout reaches `draftflow train mtp` (deepseek-v3 unless given); block drafters get no such flag."""
+    flags = [] if layout == "deepseek-v3" else ["--mtp-layout", layout]
+    a = build_parser().parse_args(flags)
+    argv = drafter_args("mtp", a, tmp_path / "demo", tmp_path / "work")
+    assert argv[0] == "mtp" and argv[argv.index("--mtp-layout") + 1] == layout
+    assert "--mtp-layout" not in drafter_args("dflash", a, tmp_path / "demo", tmp_path / "work")
