@@ -35,10 +35,12 @@ from safetensors.torch import load_file, save_file
 
 from draftflow.core.errors import DraftflowError
 from draftflow.layers.config import TargetConfig
+from draftflow.plugins.mtp.weights import LAYOUTS as MTP_LAYOUTS
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.tiny_model import EOS, hf_config, train_tokenizer
 from draftflow.tools.train.data import TokenData, WindowSampler, read_texts, source_files, tokenizer_encoder
 from draftflow.tools.train.loop import TrainOptions, WindowKV, greedy_continuation, init_weights, train
+from draftflow.tools.train.mtp_recipe import LAYOUT as MTP_LAYOUT
 
 MASK = "<|mask|>"
 STAGES = ("target", "dflash", "dflash2", "mtp")
@@ -221,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dflash-lr", type=float, default=3e-3)
     d.add_argument("--continue-dflash", action="store_true", help="dflash: continue training the drafter already in "
                    "OUT/dflash under a new schedule (new regenerated windows with another --seed)")
-    d.add_argument("--mtp-layout", choices=("deepseek-v3", "qwen3-next"), default="deepseek-v3", help="mtp: train's "
+    d.add_argument("--mtp-layout", choices=MTP_LAYOUTS, default=MTP_LAYOUT, help="mtp: train's "
                    "--mtp-layout (qwen3-next shares the target's LM head: a 3.7 MB file instead of 10.0; "
                    "docs/TRAINING.md, MTP layouts)")
     return p

@@ -41,11 +41,8 @@ def default_roots() -> list[Path]:
     return roots
 
 
-def is_test_file(path: Path) -> bool:
-    return any(part in _TEST_DIRS for part in path.parts) or _is_test_name(path.name)
-
-
 def _is_test_name(name: str) -> bool:
+    """A test file's name (test folders, `_TEST_DIRS`, are pruned while walking)."""
     return name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
 
 
