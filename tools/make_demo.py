@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from draftflow.core.errors import DraftflowError
 from draftflow.layers.config import TargetConfig
@@ -39,16 +40,19 @@ from draftflow.plugins.mtp.weights import LAYOUTS as MTP_LAYOUTS
 from draftflow.plugins.target.model import TargetModel
 from draftflow.tools.tiny_model import EOS, hf_config, train_tokenizer
 from draftflow.tools.train.data import TokenData, WindowSampler, read_texts, source_files, tokenizer_encoder
+from draftflow.tools.train.grow_target import grow_target, retap_drafter
 from draftflow.tools.train.loop import TrainOptions, WindowKV, greedy_continuation, init_weights, train
 from draftflow.tools.train.mtp_recipe import LAYOUT as MTP_LAYOUT
 
 MASK = "<|mask|>"
 STAGES = ("target", "dflash", "dflash2", "mtp")
-# Demo target shape: ~17 M parameters (34.6 MB in bf16), so the four demo folders stay under 64 MB.
-TARGET_SHAPE = {"vocab": 8192, "hidden": 384, "layers": 9, "heads": 6, "kv_heads": 2, "intermediate": 1024,
+# Demo target shape: ~20.5 M parameters (40.9 MB in bf16), so the four demo folders (the MTP head sharing the
+# target's LM head) stay under 64 MB.
+TARGET_SHAPE = {"vocab": 8192, "hidden": 384, "layers": 11, "heads": 6, "kv_heads": 2, "intermediate": 1024,
                 "context": 1024}
-# Block drafters: 2 layers, block 16 (anchor + 15 drafts), taps spread over the 9 target layers.
-DRAFTER_SHAPE = {"layers": 2, "block_size": 16, "tap_layers": "1,4,7"}
+# Block drafters: 2 layers, block 16 (anchor + 15 drafts), three taps spread over the target (`spread_taps`).
+DRAFTER_SHAPE = {"layers": 2, "block_size": 16}
+BLOCK_DRAFTERS = ("dflash", "dflash2")
 TOKENIZER_TEXT = 40_000_000  # characters the BPE is trained on (the rest is only encoded)
 SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef main(", "class Stack:\n    def __init__(self):\n")
 
@@ -95,37 +99,50 @@ def samples(model: TargetModel, tokenizer, n: int = 96) -> dict[str, str]:
 
 def make_target(a, out: Path, work: Path) -> dict:
     t0 = time.perf_counter()
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json")
+               if a.grow_from and not (Path(a.grow_from) / f).is_file()]
+    if missing:
+        raise DraftflowError(f"--grow-from {a.grow_from}: no {', '.join(missing)}; give a trained target's folder "
+                             "(config.json, model.safetensors, tokenizer.json)")
     files = source_files()
     texts = read_texts(files, max_bytes=int(a.data_mb * 1e6), seed=a.seed)
-    shape = TARGET_SHAPE
-    sample, chars = [], 0
-    for t in texts[::2]:  # the tokenizer sees every second file, up to TOKENIZER_TEXT characters
-        sample.append(t)
-        chars += len(t)
-        if chars >= TOKENIZER_TEXT:
-            break
-    tok = train_tokenizer(shape["vocab"] - 1, sample)
-    tok.add_special_tokens([MASK])
+    shape = dict(TARGET_SHAPE, layers=a.target_layers)
+    if a.grow_from:  # the trained target's tokenizer and weights, deeper
+        tok = Tokenizer.from_file(str(Path(a.grow_from) / "tokenizer.json"))
+        model, config, mapping = grow_target(a.grow_from, a.target_layers, seed=a.seed)
+    else:
+        tok = _new_tokenizer(texts, shape["vocab"])
     vocab = tok.get_vocab_size()
     data = TokenData.from_texts(texts, tokenizer_encoder(tok), eos_id=tok.token_to_id(EOS), seed=a.seed)
     print(f"target: {len(texts)} files, {data.train.numel()} training tokens, {data.held_out.numel()} held out, "
           f"vocab {vocab} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    config = hf_config(vocab, shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"], shape["intermediate"],
-                       shape["context"])
-    config.update(tie_word_embeddings=True, head_dim=shape["hidden"] // shape["heads"])
-    model = TargetModel(TargetConfig.from_hf_dict(config, "demo target"))
-    init_weights(model, seed=a.seed)
+    if not a.grow_from:
+        config = hf_config(vocab, shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"],
+                           shape["intermediate"], shape["context"])
+        config.update(tie_word_embeddings=True, head_dim=shape["hidden"] // shape["heads"])
+        model = TargetModel(TargetConfig.from_hf_dict(config, "demo target"))
+        init_weights(model, seed=a.seed)
     model.to(a.device)
     sampler = WindowSampler(data, seq_len=a.target_seq_len + 1, seed=a.seed)
     opts = TrainOptions(steps=100_000_000, batch_size=a.target_batch_size, lr=a.target_lr, warmup=0.03,
                         weight_decay=0.1, bf16=a.device.startswith("cuda"), eval_every=a.eval_every, eval_windows=16,
                         save_every=a.eval_every, checkpoint=work / "target.pt", resume=True,
                         time_budget_s=a.target_minutes * 60, device=a.device)
-    result = train(LanguageModelRecipe(model), sampler, opts, label="target")
+    recipe = LanguageModelRecipe(model)
+    with torch.no_grad():
+        before = recipe.evaluate(sampler.held_out(16))["loss"] if a.grow_from else None
+    result = train(recipe, sampler, opts, label="target")
     dtype = getattr(torch, a.save_dtype)
     model.to(dtype).float()  # what the shipped file holds, so the samples and the drafters see the shipped target
     save_target(model, config, tok, out / "target", dtype)
-    return {
+    grown = {}
+    if a.grow_from:  # the block drafters beside the grown target read their old layers at the new indices
+        grown = {"grown_from": str(a.grow_from), "layer_map": mapping, "held_out_before": round(before, 4),
+                 "retapped": {k: retap_drafter(Path(a.grow_from).parent / k, out / k, mapping) for k in BLOCK_DRAFTERS
+                              if (Path(a.grow_from).parent / k / "config.json").is_file()}}
+        print(f"target: grown from {a.grow_from}; drafters retapped: {grown['retapped']}; an MTP head trained on "
+              "the old target needs `--stage mtp` again", file=sys.stderr)
+    return grown | {
         "files_found": len(files), "documents": data.documents, "characters": data.characters,
         "train_tokens": int(data.train.numel()), "held_out_tokens": int(data.held_out.numel()), "vocab": vocab,
         "parameters": sum(p.numel() for p in model.parameters()), "shape": shape, "steps": result.steps,
@@ -136,6 +153,20 @@ def make_target(a, out: Path, work: Path) -> dict:
         "wall_seconds": round(time.perf_counter() - t0), "python": sys.version.split()[0], "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
     }
+
+
+def _new_tokenizer(texts: list[str], vocab: int):
+    """A byte-level BPE of `vocab - 1` tokens trained on every second file (up to TOKENIZER_TEXT characters), plus
+    the DFlash mask token."""
+    sample, chars = [], 0
+    for t in texts[::2]:
+        sample.append(t)
+        chars += len(t)
+        if chars >= TOKENIZER_TEXT:
+            break
+    tok = train_tokenizer(vocab - 1, sample)
+    tok.add_special_tokens([MASK])
+    return tok
 
 
 def _mean(losses: list[tuple[int, float]]) -> float:
@@ -166,10 +197,18 @@ def drafter_args(kind: str, a, out: Path, work: Path) -> list[str]:
         shutil.copytree(out / "dflash", start)
         return args + ["--lr", str(a.dflash_lr), "--init-from", str(start)]
     if kind == "dflash":
+        config = out / "target" / "config.json"  # no target: train says so
+        taps = spread_taps(json.loads(config.read_text())["num_hidden_layers"]) if config.is_file() else ()
         return args + ["--lr", str(a.dflash_lr), "--layers", str(DRAFTER_SHAPE["layers"]), "--block-size",
-                       str(DRAFTER_SHAPE["block_size"]), "--tap-layers", DRAFTER_SHAPE["tap_layers"]]
+                       str(DRAFTER_SHAPE["block_size"])] + (["--tap-layers", ",".join(map(str, taps))] if taps else [])
     return args + ["--lr", "1e-3", "--init-from", str(out / "dflash"), "--selector-rank", "64", "--selector-top-k", "16",
                    "--conv-kernel-size", "2", "--conv-group-size", "16"]
+
+
+def spread_taps(depth: int) -> tuple[int, ...]:
+    """Three taps from layer 1 on, evenly apart, the last two layers before the end: 1,4,7 of 9; 1,5,9 of 11."""
+    step = max(1, (depth - 3) // 2)
+    return tuple(min(depth - 1, 1 + i * step) for i in range(3))
 
 
 def make_drafter(kind: str, a, out: Path, work: Path) -> dict:
@@ -208,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target-batch-size", type=int, default=8)
     t.add_argument("--target-seq-len", type=int, default=256, help="training window (the GPU run used 1024)")
     t.add_argument("--target-lr", type=float, default=2e-3)
+    t.add_argument("--target-layers", type=int, default=TARGET_SHAPE["layers"], help="decoder layers")
+    t.add_argument("--grow-from", metavar="TARGET_DIR", help="start from this trained target (its tokenizer and "
+                   "weights), grown to --target-layers by inserting identity layers; the DFlash/DFlash2 drafters "
+                   "beside it are copied to OUT with their taps moved to the grown target's layers")
     d = p.add_argument_group("drafters")
     d.add_argument("--drafter-minutes", type=float, default=7.0)
     d.add_argument("--drafter-data-mb", type=float, default=32.0)
