@@ -8,7 +8,9 @@
    excluded; 2% of the files held out) train a byte-level BPE tokenizer (tools/tiny_model's,
    plus a `<|mask|>` token for DFlash) and a Qwen3 model from scratch (causal LM loss, the
    shared training loop, bf16 autocast on CUDA). The weights are stored in `--save-dtype`
-   (bfloat16: half the bytes; the CPU graphs load them as float32).
+   (bfloat16: half the bytes; the CPU graphs load them as float32). With `--grow-from TARGET_DIR` the stage
+   starts from a trained target instead (its tokenizer and weights), grown to `--target-layers` by identity
+   layers (tools/train/grow_target.py), and copies the block drafters beside it to OUT with their taps moved.
 2. dflash / mtp: `draftflow train dflash|mtp` against that frozen target (block drafter on
    windows the target regenerated, `--labels regenerate`; block 16, taps spread over the
    target); dflash2: `draftflow train dflash2 --init-from` the DFlash drafter (its backbone)
