@@ -78,8 +78,9 @@ def test_anchors_out_of_range_is_one_error_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("layout", ["deepseek-v3", "qwen3-next"])
 def test_mtp_stage_passes_its_layout_to_train(tmp_path, layout):
-    """--mtp-layout reaches `draftflow train mtp` (deepseek-v3 unless given); block drafters get no such flag."""
-    flags = [] if layout == "deepseek-v3" else ["--mtp-layout", layout]
+    """--mtp-layout reaches `draftflow train mtp` (qwen3-next unless given: the size cap); block drafters get no
+    such flag."""
+    flags = [] if layout == "qwen3-next" else ["--mtp-layout", layout]
     a = build_parser().parse_args(flags)
     argv = drafter_args("mtp", a, tmp_path / "demo", tmp_path / "work")
     assert argv[0] == "mtp" and argv[argv.index("--mtp-layout") + 1] == layout
