@@ -23,6 +23,9 @@ def test_layer_map_spreads_the_inserted_layers():
     assert layer_map(4, 6) == [0, None, 1, 2, None, 3]
     assert layer_map(4, 5) == [0, 1, None, 2, 3]
     assert layer_map(3, 3) == [0, 1, 2]
+    for old, new in ((2, 6), (1, 4), (3, 10), (9, 11)):  # every layer placed once, the trained ones in order
+        grown = layer_map(old, new)
+        assert len(grown) == new and [i for i in grown if i is not None] == list(range(old))
     with pytest.raises(DraftflowError, match="grow to 2 layers: fewer than the trained target's 3"):
         layer_map(3, 2)
 

@@ -37,7 +37,7 @@ def layer_map(old: int, new: int) -> list[int | None]:
     out: list[int | None] = []
     for i in range(old):
         out += [None] * before.count(i) + [i]
-    return out
+    return out + [None] * before.count(old)  # rounded up past the last trained layer
 
 
 def grow_target(folder: str | Path, num_layers: int, seed: int = 0) -> tuple[TargetModel, dict, list[int | None]]:
