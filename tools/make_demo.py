@@ -107,13 +107,18 @@ def make_target(a, out: Path, work: Path) -> dict:
     if missing:
         raise DraftflowError(f"--grow-from {a.grow_from}: no {', '.join(missing)}; give a trained target's folder "
                              "(config.json, model.safetensors, tokenizer.json)")
-    files = source_files()
-    texts = read_texts(files, max_bytes=int(a.data_mb * 1e6), seed=a.seed)
     shape = dict(TARGET_SHAPE, layers=a.target_layers)
-    if a.grow_from:  # the trained target's tokenizer and weights, deeper
+    if a.grow_from:  # the trained target's tokenizer and weights, deeper (checked before any text is read)
         tok = Tokenizer.from_file(str(Path(a.grow_from) / "tokenizer.json"))
         model, config, mapping = grow_target(a.grow_from, a.target_layers, seed=a.seed)
-    else:
+        if a.grow_train == "new":  # only the inserted layers learn: every trained layer's output stays as it was
+            for i, old in enumerate(mapping):
+                model.layers[i].requires_grad_(old is None)
+            for name, param in model.named_parameters():
+                param.requires_grad_(param.requires_grad and name.startswith("layers."))
+    files = source_files()
+    texts = read_texts(files, max_bytes=int(a.data_mb * 1e6), seed=a.seed)
+    if not a.grow_from:
         tok = _new_tokenizer(texts, shape["vocab"])
     vocab = tok.get_vocab_size()
     data = TokenData.from_texts(texts, tokenizer_encoder(tok), eos_id=tok.token_to_id(EOS), seed=a.seed)
@@ -150,6 +155,7 @@ def make_target(a, out: Path, work: Path) -> dict:
         "train_tokens": int(data.train.numel()), "held_out_tokens": int(data.held_out.numel()), "vocab": vocab,
         "parameters": sum(p.numel() for p in model.parameters()), "shape": shape, "steps": result.steps,
         "batch": [a.target_batch_size, a.target_seq_len], "lr": a.target_lr,
+        "trained_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "tokens_seen": result.steps * opts.batch_size * a.target_seq_len, "train_seconds": round(result.elapsed_s),
         "first_loss": _mean(result.losses[:10]), "last_loss": _mean(result.losses[-10:]),
         "held_out": [(s, round(e["loss"], 4)) for s, e in result.evaluations], "samples": samples(model, tok),
@@ -254,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grow-from", metavar="TARGET_DIR", help="start from this trained target (its tokenizer and "
                    "weights), grown to --target-layers by inserting identity layers; the DFlash/DFlash2 drafters "
                    "beside it are copied to OUT with their taps moved to the grown target's layers")
+    t.add_argument("--grow-train", choices=("all", "new"), default="all", help="with --grow-from: train every "
+                   "layer, or only the inserted ones (the trained layers, embeddings, norm and head frozen, so the "
+                   "drafters' taps on layers before the first inserted one see exactly what they were trained on)")
     d = p.add_argument_group("drafters")
     d.add_argument("--drafter-minutes", type=float, default=7.0)
     d.add_argument("--drafter-data-mb", type=float, default=32.0)

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from helpers import SMALL_PAIR
 
 from draftflow.core.errors import DraftflowError
@@ -86,6 +87,39 @@ def test_grow_from_a_folder_without_a_target_is_one_error_line(tmp_path, capsys)
     assert capsys.readouterr().err == (f"error: --grow-from {tmp_path / 't'}: no model.safetensors, tokenizer.json; "
                                        "give a trained target's folder (config.json, model.safetensors, "
                                        "tokenizer.json)\n")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_make_demo_grow_train_new_trains_only_the_inserted_layers(tmp_path):
+    """`--grow-train new`: the inserted layers learn; every trained layer, the embeddings and the final norm are saved
+    as they were (to the stored dtype's rounding)."""
+    out, work = tmp_path / "demo", tmp_path / "work"
+    assert make_demo(["--stage", "target", "--out", str(out), "--work", str(work), "--grow-from",
+                      str(SMALL_PAIR / "target"), "--target-layers", "6", "--grow-train", "new", "--target-minutes",
+                      "0.02", "--data-mb", "0.3", "--target-seq-len", "64", "--eval-every", "100000",
+                      "--save-dtype", "float32", "--target-lr", "1e-2"]) == 0
+    run = json.loads((work / "summary.json").read_text())["target"]
+    assert run["steps"] > 0 and run["trained_parameters"] < run["parameters"]
+    old = {k.removeprefix("model."): v.float()
+           for k, v in load_file(str(SMALL_PAIR / "target" / "model.safetensors")).items()}
+    new = {k.removeprefix("model."): v for k, v in load_file(str(out / "target" / "model.safetensors")).items()}
+    for i, j in enumerate(run["layer_map"]):
+        names = sorted(k for k in new if k.startswith(f"layers.{i}."))
+        if j is None:  # the zero output projections moved
+            assert new[f"layers.{i}.mlp.down_proj.weight"].abs().max() > 0
+        else:
+            assert all(torch.equal(new[k], old[k.replace(f"layers.{i}.", f"layers.{j}.", 1)]) for k in names)
+    assert torch.equal(new["embed_tokens.weight"], old["embed_tokens.weight"]) and torch.equal(new["norm.weight"],
+                                                                                              old["norm.weight"])
+
+
+def test_grow_to_fewer_layers_is_one_error_line_before_any_text_is_read(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("draftflow.tools.make_demo.source_files", lambda: pytest.fail("text read before the check"))
+    assert make_demo(["--stage", "target", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"),
+                      "--grow-from", str(SMALL_PAIR / "target"), "--target-layers", "3"]) == 1
+    assert capsys.readouterr().err == ("error: grow to 3 layers: fewer than the trained target's 4; pick at least "
+                                       "4\n")
     assert not (tmp_path / "o").exists()
 
 
