@@ -12,7 +12,10 @@ CPU and float16 keep the plain ops.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from draftflow.layers.fused import cpu_rows
 
 
 _ROWS_DTYPES = (torch.float32, torch.bfloat16)  # what the Triton kernel takes
@@ -38,6 +41,8 @@ class RMSNorm(nn.Module):
             from draftflow.layers.triton_kernels import add_rms
 
             return add_rms(x, None, self.weight, self.eps, self.offset)[1]
+        if cpu_rows(x, self.weight, self.offset):
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
