@@ -5,8 +5,10 @@ On CUDA, outside autograd, float32 and bfloat16 rows go through the Triton kerne
 node, instead of five. That is where the modules themselves run on the GPU: the DFlash,
 DFlash2 and MTP drafters' forwards (captured in their graphs) and eager prefills. On the
 H200 the DFlash drafter's graph held about a hundred small kernels a draft, ten norms of
-five kernels each among them (benchmarks/demo_cycle_profile.py). Training (autograd), the
-CPU and float16 keep the plain ops.
+five kernels each among them (benchmarks/demo_cycle_profile.py). On the CPU, float32 rows
+(without the Qwen3-Next offset) go through torch's own `F.rms_norm`, which rounds as the
+plain ops do, bit for bit (`fused.cpu_rows`). Training on CUDA (autograd), other CPU dtypes
+and float16 keep the plain ops.
 """
 
 from __future__ import annotations

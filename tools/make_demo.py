@@ -107,6 +107,9 @@ def make_target(a, out: Path, work: Path) -> dict:
     if missing:
         raise DraftflowError(f"--grow-from {a.grow_from}: no {', '.join(missing)}; give a trained target's folder "
                              "(config.json, model.safetensors, tokenizer.json)")
+    if a.grow_train == "new" and not a.grow_from:
+        raise DraftflowError("--grow-train new trains only the layers --grow-from inserts; give --grow-from TARGET_DIR "
+                             "or drop --grow-train")
     shape = dict(TARGET_SHAPE, layers=a.target_layers)
     if a.grow_from:  # the trained target's tokenizer and weights, deeper (checked before any text is read)
         tok = Tokenizer.from_file(str(Path(a.grow_from) / "tokenizer.json"))

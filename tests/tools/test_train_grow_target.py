@@ -123,5 +123,13 @@ def test_grow_to_fewer_layers_is_one_error_line_before_any_text_is_read(tmp_path
     assert not (tmp_path / "o").exists()
 
 
+def test_grow_train_new_without_grow_from_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("draftflow.tools.make_demo.source_files", lambda: pytest.fail("text read before the check"))
+    assert make_demo(["--stage", "target", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"),
+                      "--grow-train", "new"]) == 1
+    assert capsys.readouterr().err == ("error: --grow-train new trains only the layers --grow-from inserts; give "
+                                       "--grow-from TARGET_DIR or drop --grow-train\n")
+
+
 def test_fresh_block_drafters_spread_three_taps_over_the_target():
     assert spread_taps(9) == (1, 4, 7) and spread_taps(11) == (1, 5, 9) and spread_taps(4) == (1, 2, 3)
