@@ -50,9 +50,10 @@ STAGES = {4: 1, 8: 1}
 # activations quantized per unit in the kernel, as INT8_TERMS int8 terms (llama.cpp's MMVQ uses one; two keep the
 # activations to 2^-16 of the unit's largest, finer than their own bf16 rounding); 0: float multiply-adds. One H100,
 # whole Qwen3-8B-shaped decode step (benchmarks/gpu_quant.py --int8, docs/GGUF.md 2026-12-05): Q4_K_M 4.92 -> 4.49-4.55
-# ms, Q8_0 5.82 -> 5.58; Q6_K measured slower with it (6.35 -> 6.58 ms), so it keeps the float path
+# ms, Q8_0 5.82 -> 5.58. Q6_K measured slower with it then (6.35 -> 6.58 ms); with the prefetch below (since 2026-12-06)
+# it is faster: 6.302 / 6.303 -> 6.095 / 6.095 ms, order A B A B on one H100 (docs/GGUF.md, 2026-12-07)
 INT8_TERMS = 2
-INT8_QTYPES = QTYPES - {"Q6_K"}
+INT8_QTYPES = QTYPES
 # Rows a loop step with int8 activations, and a register cap for ptxas (None: none), by bits per code. One H100,
 # Triton 3.6, Q4_K gate/up 24576 x 4096 (benchmarks/results/h100_q4k_rows_sweep.log): 16 rows uncapped took 127
 # registers, 23% occupancy (ncu: stalls on loads' scoreboards) and 38.1 us; 8 rows capped at 80 34.3 us (down 12288:

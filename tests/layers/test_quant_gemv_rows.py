@@ -123,9 +123,9 @@ def test_int8_activations_take_the_codes_products_as_integer_dot_products(qtype,
     packed, w, k = _packed(qtype, 37, units, seed=8)
     x = torch.randn(1, k, device=DEV, generator=torch.Generator(DEV).manual_seed(9)).to(torch.bfloat16)
     x[0, 5] = 40.0  # an outlier: its unit's other activations get coarser steps
-    taken = qtype in rows_kernel.INT8_QTYPES  # Q6_K measured slower with it and keeps the float path by default
+    taken = qtype in rows_kernel.INT8_QTYPES  # every type of the rows kernel since 2026-12-07 (Q6_K too)
     assert rows_kernel.int8_terms(x, qtype) == (2 if taken else 0) and rows_kernel.INT8_TERMS == 2
-    assert taken == (qtype != "Q6_K")
+    assert taken
     assert rows_kernel.int8_terms(x.float(), qtype) == 0
     want = x.double() @ w.double().T
     errors = {}
