@@ -115,10 +115,9 @@ def make_target(a, out: Path, work: Path) -> dict:
         tok = Tokenizer.from_file(str(Path(a.grow_from) / "tokenizer.json"))
         model, config, mapping = grow_target(a.grow_from, a.target_layers, seed=a.seed)
         if a.grow_train == "new":  # only the inserted layers learn: every trained layer's output stays as it was
+            model.requires_grad_(False)
             for i, old in enumerate(mapping):
                 model.layers[i].requires_grad_(old is None)
-            for name, param in model.named_parameters():
-                param.requires_grad_(param.requires_grad and name.startswith("layers."))
     files = source_files()
     texts = read_texts(files, max_bytes=int(a.data_mb * 1e6), seed=a.seed)
     if not a.grow_from:
@@ -291,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     out, work = Path(a.out), Path(a.work)
+    created = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     for stage in STAGES:
         if a.stage in ("all", stage):
@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = make_target(a, out, work) if stage == "target" else make_drafter(stage, a, out, work)
             except DraftflowError as exc:  # e.g. a drafter argument `draftflow train` refuses: its one line
                 print(f"error: {exc}", file=sys.stderr)
+                if created and not any(work.iterdir()):  # an argument error leaves no empty folder behind
+                    work.rmdir()
                 return 1
             (work / f"{stage}.json").write_text(json.dumps(result, indent=2) + "\n")
     summary = {s: json.loads((work / f"{s}.json").read_text()) for s in STAGES if (work / f"{s}.json").exists()}

@@ -131,6 +131,7 @@ def test_grow_train_new_without_grow_from_is_one_error_line(tmp_path, capsys, mo
                       "--grow-train", "new"]) == 1
     assert capsys.readouterr().err == ("error: --grow-train new trains only the layers --grow-from inserts; give "
                                        "--grow-from TARGET_DIR or drop --grow-train\n")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()  # nothing written
 
 
 def test_fresh_block_drafters_spread_three_taps_over_the_target():
