@@ -64,7 +64,7 @@ INT8_MAXNREG = {4: 96, 8: None}
 # step's bytes in flight a warp; 8-24 more registers a thread with Triton 3.9), by bits per code; the cap above rose to
 # 96 for it. One H100, Triton 3.6, CUDA graphs of 20 calls (benchmarks/results/h100_rows_prefetch_sweep.log): Q4_K
 # gate/up 24576 x 4096 34.7 -> 32.4 us, down 4096 x 12288 20.2 -> 18.7 us; Q8_0 gate/up 62.9 -> 54.9 us. The float
-# path (Q6_K) measured slower with it (down 44.2 -> 46.8 us) and keeps one load per step
+# path (Q6_K then) measured slower with it (down 44.2 -> 46.8 us) and keeps one load per step (float32 activations)
 INT8_PREFETCH = {4: True, 8: True}
 PROGRAMS_PER_SM = 6  # row ranges shrink (down to 16 rows) until the grid has this many programs per multiprocessor
 
