@@ -43,10 +43,11 @@ DEMO = Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"
 
 
 def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32", policy: bool = False,
-                 target_path: Path | None = None, drafter_dtype: str = "graph") -> dict[str, dict]:
+                 target_path: Path | None = None, drafter_dtype: str = "graph", cut: float = 0.0) -> dict[str, dict]:
     """Graphs (as YAML-shaped dicts) of each drafter on the demo target (DFlash2 rows when `demo/dflash2` exists);
     ``target_path``: another checkpoint of the same target in its place (e.g. a quantized GGUF of it);
-    ``drafter_dtype``: the DFlash and DFlash2 nodes' `dtype` param."""
+    ``drafter_dtype``: the DFlash and DFlash2 nodes' `dtype` param; ``cut`` > 0: also the DFlash2 rows with the
+    dflash2 node's `min_path_prob` at that value (named "..., cut P")."""
     from draftflow.plugins.dflash.loader import read_artifact
 
     art = read_artifact(demo / "dflash")
@@ -97,6 +98,13 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
         configs["mixer(lookup, DFlash2)"] = graph("mix2", mixed2, mix2, taps=taps)
         configs["lookup, else DFlash2"] = graph("lookup-else-dflash2", mixed2,
                                                 [*mix2, "lookup.proposal -> dflash2.defer"], taps=taps)
+        if cut > 0:
+            cut2 = dict(dflash2, params=dict(dflash2["params"], min_path_prob=cut))
+            configs[f"DFlash2, cut {cut:g}"] = graph("dflash2-cut", {"dflash2": cut2,
+                                                                     "selector": {"plugin": "dflash2-selector"}}, taps=taps)
+            configs[f"lookup, else DFlash2, cut {cut:g}"] = graph(
+                "lookup-else-dflash2-cut", dict(mixed2, dflash2=cut2), [*mix2, "lookup.proposal -> dflash2.defer"],
+                taps=taps)
     return configs
 
 
@@ -195,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run each prompt through every row in turn (the order rotating), so a drift in the machine's "
                    "speed and first-seen costs (e.g. per-shape kernel setup) reach every row alike; --no-interleave: "
                    "row after row, as before 2026-12-04")
+    p.add_argument("--cut", type=float, default=0.0, help="also the DFlash2 rows with the dflash2 node's "
+                   "min_path_prob at this value ('DFlash2, cut P', 'lookup, else DFlash2, cut P')")
     p.add_argument("--configs", nargs="+", help="run only these rows (names as printed, e.g. 'target only' DFlash)")
     p.add_argument("--plot")
     p.add_argument("--json")
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     demo = Path(a.demo)
     configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy, Path(a.target) if a.target else None,
-                           a.drafter_dtype)
+                           a.drafter_dtype, a.cut)
     try:
         configs = select_configs(configs, a.configs)
         sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}

@@ -52,7 +52,11 @@ from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFla
 from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
-          *DFLASH_PARAMS[1:])  # cuda_graphs, dtype, defer_min
+          *DFLASH_PARAMS[1:],  # cuda_graphs, dtype, defer_min
+          ParamSpec("min_path_prob", "float", 0.0, "cut the block's drafts short: keep those before the first row where "
+                    "the running product of the top candidate's probability falls under this (at least one draft; "
+                    "the widest row's cut in a batch); 0: every row of the block. The target verifies fewer drafts, "
+                    "so the output is unchanged; one host sync a cycle", minimum=0.0))
 
 
 @attrs.define
@@ -101,6 +105,7 @@ class DFlash2(DFlash):
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)
         self._init_slots(ctx.buffers["dflash2_kv"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]
+        self.min_path_prob = float(ctx.params["min_path_prob"])
         self._bind()
 
     def _bind(self) -> None:
@@ -128,7 +133,20 @@ class DFlash2(DFlash):
         # Penalties and bias (committed prefix only) pick and weigh the candidates.
         logits = self.processed(batch, logits[..., :self.config2.vocab_size])
         scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [B, K, M] each, best first
+        if self.min_path_prob > 0:
+            k = confident_width(logits, scores[..., 0], self.min_path_prob)
+            ids, scores, hidden = ids[:, :k], scores[:, :k], hidden[:, :k]
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector)}
+
+
+def confident_width(logits: torch.Tensor, top: torch.Tensor, threshold: float) -> int:
+    """How many of a block's K draft rows to keep: those before the first row where the running product of the top
+    candidate's probability (softmax of `logits` [B, K, V] at its top logit `top` [B, K]) falls under `threshold`; at
+    least 1, and the widest row's count over the batch."""
+    k = top.shape[1]
+    below = torch.cumprod(torch.exp(top.float() - torch.logsumexp(logits.float(), -1)), -1) < threshold  # [B, K]
+    first = torch.where(below.any(-1), below.int().argmax(-1), k)  # [B]: the first row under it, else K
+    return max(1, int(first.max()))
 
 
 def selector_manifest(params, env) -> Manifest:

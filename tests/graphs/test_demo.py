@@ -55,6 +55,23 @@ def test_demo_mtp_head_passes_the_greedy_gate_with_acceptance(prompts, tmp_path)
     assert report.accepted > 0
 
 
+def test_demo_dflash2_cut_by_its_confidence_is_lossless_and_drafts_fewer(prompts, tmp_path):
+    """The dflash2 node's `min_path_prob` (a YAML param): output unchanged, fewer drafts than whole blocks."""
+    spec = {"name": "demo-dflash2-cut", "device": "cpu", "dtype": "float32", "num_draft": 15, "nodes": {
+        "target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "kv_mode": "static",
+                                                  "tap_layers": [1, 4, 7]}},
+        "drafter": {"plugin": "dflash2", "params": {"path": str(DEMO / "dflash2")}},
+        "selector": {"plugin": "dflash2-selector"}, "verify": {"plugin": "verifier"}}}
+    (tmp_path / "g.yaml").write_text(json.dumps(spec))
+    whole = greedy_gate(tmp_path / "g.yaml", prompts=prompts[:2], max_new_tokens=48)
+    cut = greedy_gate(tmp_path / "g.yaml", prompts=prompts[:2], max_new_tokens=48,
+                      overrides=["nodes.drafter.min_path_prob=0.01"])
+    cycles = sum(r.stats["cycles"] for r in cut.speculative)
+    assert cut.accepted > 0 and cut.drafted < 15 * cycles - 15, (cut.drafted, cycles)
+    assert cut.drafted < whole.drafted
+    assert [r.token_ids for r in cut.speculative] == [r.token_ids for r in whole.speculative]
+
+
 def test_readme_main_command_prints_code_and_summary(tmp_path):
     """`draftflow generate "def fibonacci(n):"` runs the demo graph from anywhere: code on stdout, a summary line."""
     r = run_cli(["generate", "def fibonacci(n):"], cwd=tmp_path)

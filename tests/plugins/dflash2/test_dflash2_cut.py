@@ -1,0 +1,40 @@
+"""The dflash2 node's `min_path_prob`: a block's drafts cut where the drafter's own confidence runs out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftflow.plugins.dflash.dflash2_plugin import PARAMS, confident_width
+
+
+def block(probs: list[list[float]], vocab: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [B, K, V] whose top token has probability probs[b][k] (the rest share what is left), and the top logit."""
+    rows = []
+    for row in probs:
+        out = []
+        for p in row:
+            rest = (1 - p) / (vocab - 1)
+            out.append([math.log(p)] + [math.log(rest)] * (vocab - 1))
+        rows.append(out)
+    logits = torch.tensor(rows, dtype=torch.float64)
+    return logits, logits[..., 0]
+
+
+@pytest.mark.parametrize(("probs", "threshold", "width"), [
+    ([[0.9, 0.9, 0.5, 0.9]], 0.3, 4),    # running product 0.9, 0.81, 0.405, 0.3645: never under 0.3: all 4
+    ([[0.9, 0.9, 0.3, 0.9]], 0.3, 2),    # 0.9, 0.81, 0.243 < 0.3 at row 2: keep rows 0 and 1
+    ([[0.2, 0.9, 0.9, 0.9]], 0.3, 1),    # under it at the first row: still one draft
+    ([[0.9, 0.9, 0.9, 0.9]], 0.01, 4),   # never under: the whole block
+    ([[0.2, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.2]], 0.3, 3),  # a batch: the widest row's cut
+])
+def test_the_width_stops_before_the_first_row_under_the_threshold(probs, threshold, width):
+    logits, top = block(probs)
+    assert confident_width(logits, top, threshold) == width
+
+
+def test_the_param_is_declared_off_by_default_and_never_negative():
+    spec = next(p for p in PARAMS if p.name == "min_path_prob")
+    assert spec.type == "float" and spec.default == 0.0 and spec.below_minimum(-0.1) == -0.1
