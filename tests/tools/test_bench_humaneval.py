@@ -147,3 +147,24 @@ def test_interleaved_rows_give_the_sequential_tokens(tmp_path):
             {k: runs[False][key][k] for k in ("cycles", "drafted", "accepted")}, key
         assert r["tokens_per_s"] > 0
     assert runs[True]["DFlash @ T=0"]["drafted"] > 0 and runs[True]["target only @ T=1"]["speedup"] == 1.0
+
+
+def test_cut_adds_the_dflash2_rows_with_min_path_prob(tmp_path):
+    """--cut P: the DFlash2 rows again with the dflash2 node's min_path_prob at P, named "..., cut P"; on the shipped
+    pair the cut row gives the target-only tokens and drafts fewer than whole blocks."""
+    from helpers import ROOT
+
+    shipped = ROOT / "graphs" / "models" / "demo"
+    configs = demo_configs("cpu", 15, shipped, cut=0.01)
+    assert configs["DFlash2, cut 0.01"]["nodes"]["dflash2"]["params"]["min_path_prob"] == 0.01
+    assert configs["lookup, else DFlash2, cut 0.01"]["nodes"]["dflash2"]["params"]["min_path_prob"] == 0.01
+    assert "min_path_prob" not in configs["DFlash2"]["nodes"]["dflash2"]["params"]
+    assert not any("cut" in name for name in demo_configs("cpu", 15, shipped))
+    out = tmp_path / "r.json"
+    assert main(["--demo", str(shipped), "--cut", "0.01", "--configs", "target only", "DFlash2", "DFlash2, cut 0.01",
+                 "--limit", "1", "--max-new-tokens", "24", "--temperatures", "0", "--num-draft", "15",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    whole, cut = rows["DFlash2 @ T=0"], rows["DFlash2, cut 0.01 @ T=0"]
+    assert cut["same_as_target"] == whole["same_as_target"] == "1/1"
+    assert cut["drafted"] < 15 * cut["cycles"] and whole["drafted"] > cut["drafted"], (whole, cut)
