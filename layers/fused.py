@@ -186,8 +186,9 @@ def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module], matmul: Callable
 
     nn.Linear: one F.linear when `fuse_projections` put the weights back to back. QuantLinear
     (GGUF weights kept quantized, quant_linear.py): one kernel when the blocks lie back to back
-    in one type, else one per layer into column slices of one output (Q4_K_M stores attn_v
-    as Q6_K next to Q4_K q/k), so the fused consumers (the Triton prologue) still get one tensor.
+    in one type, else one per run of one type into column slices of one output (Q4_K_M stores
+    attn_v as Q6_K next to Q4_K q/k in half its layers: one kernel for q/k, one for v), so the
+    fused consumers (the Triton prologue) still get one tensor.
     """
     first = linears[0]
     qtypes = {getattr(lin, "qtype", None) for lin in linears}
@@ -203,19 +204,39 @@ def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module], matmul: Callable
         bias = joined([lin.bias for lin in linears]) if first.bias is not None else None
         if data is not None and (bias is not None or first.bias is None):
             return first.product(x, data, bias)
-    widths = [lin.out_features for lin in linears]
-    out = torch.empty(*x.shape[:-1], sum(widths), dtype=x.dtype, device=x.device)  # [..., sum of outputs]
-    rows, col = out.view(-1, sum(widths)), 0
-    for lin, width in zip(linears, widths):
-        lin.product(x, lin.data, lin.bias, out=rows[:, col:col + width])
-        col += width
+    width = sum(lin.out_features for lin in linears)
+    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)  # [..., sum of outputs]
+    rows, col = out.view(-1, width), 0
+    for run in _runs(linears):  # one kernel per run of one type whose blocks lie back to back (_rehome), else per layer
+        data = joined([lin.data for lin in run])
+        bias = joined([lin.bias for lin in run]) if run[0].bias is not None else None
+        joint = data is not None and (bias is not None or run[0].bias is None)
+        for lin, data, bias in [(run[0], data, bias)] if joint else [(m, m.data, m.bias) for m in run]:
+            span = sum(m.out_features for m in run) if joint else lin.out_features
+            lin.product(x, data, bias, out=rows[:, col:col + span])
+            col += span
     return out
+
+
+def _runs(linears: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """The linears split into runs of consecutive ones of one type (q/k Q4_K, then v Q6_K: two runs)."""
+    runs: list[list[nn.Module]] = []
+    for lin in linears:
+        if runs and getattr(runs[-1][0], "qtype", None) == getattr(lin, "qtype", None):
+            runs[-1].append(lin)
+        else:
+            runs.append([lin])
+    return runs
 
 
 def _rehome(linears: list[nn.Module]) -> None:
     qtypes = {getattr(lin, "qtype", None) for lin in linears}
     if len(qtypes) > 1:
-        return  # mixed types (or some dequantized): fused_linear runs one product per layer
+        if None not in qtypes:  # mixed kept types: join each run of one type (Q4_K_M's q/k beside a Q6_K v)
+            for run in _runs(linears):
+                if len(run) > 1:
+                    _rehome(run)
+        return  # fused_linear runs one product per run (one per layer where a run is dequantized)
     quantized = qtypes != {None}
     for attr in ("blocks", "packed", "bias") if quantized else ("weight", "bias"):  # packed: quant_repack's rows
         parts = [getattr(lin, attr) for lin in linears]

@@ -171,8 +171,9 @@ def _linear(qtype: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.T
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K")], ids=["one type", "Q4_K_M mix"])
 def test_repacked_quant_linear_fuses_like_the_file_layout(types):
-    """QuantLinear.repack frees the file bytes; fuse_projections joins the repacked rows of one type (one kernel) and
-    fused_linear runs mixed types into column slices; products, `dequantized` and the repr follow the layout."""
+    """QuantLinear.repack frees the file bytes; fuse_projections joins the repacked rows of each run of one type (one
+    kernel a run) and fused_linear runs the runs into column slices; products, `dequantized` and the repr follow the
+    layout."""
     attn = nn.Module()
     (attn.q_proj, wq), (attn.k_proj, wk), (attn.v_proj, wv) = (
         _linear(t, n, 256, seed) for t, n, seed in zip(types, (32, 16, 16), (7, 8, 9)))
@@ -186,7 +187,9 @@ def test_repacked_quant_linear_fuses_like_the_file_layout(types):
     assert torch.equal(attn.v_proj.dequantized(torch.float32), wv)
     fuse_projections(model)
     same = len(set(types)) == 1
-    assert (attn.k_proj.packed.untyped_storage().data_ptr() == attn.q_proj.packed.untyped_storage().data_ptr()) == same
+    ptr = attn.q_proj.packed.untyped_storage().data_ptr()
+    assert attn.k_proj.packed.untyped_storage().data_ptr() == ptr  # q and k: one type in both cases, one kernel
+    assert (attn.v_proj.packed.untyped_storage().data_ptr() == ptr) == same
     x = torch.randn(1, 3, 256, generator=torch.Generator().manual_seed(10)).to(DEV)
     y = fused_linear(x, lins)
     assert y.shape == (1, 3, 64)
