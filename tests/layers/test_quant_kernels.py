@@ -148,7 +148,7 @@ class _Attn(nn.Module):
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K")], ids=["one type", "Q4_K_M mix"])
 def test_fused_qkv_of_quantized_projections(types):
     """fused_linear gives q/k/v as one [.., 64] tensor: one joined product when the blocks share a type
-    (fuse_projections concatenates their rows), per-layer kernels into column slices when they do not."""
+    (fuse_projections concatenates their rows), else one kernel per run of one type into column slices."""
     attn = _Attn(types, 256)
     model = nn.Module()
     layer = nn.Module()
@@ -156,7 +156,9 @@ def test_fused_qkv_of_quantized_projections(types):
     model.layers = [layer]
     fuse_projections(model)
     same = len(set(types)) == 1
-    assert (attn.k_proj.blocks.untyped_storage().data_ptr() == attn.q_proj.blocks.untyped_storage().data_ptr()) == same
+    ptr = attn.q_proj.blocks.untyped_storage().data_ptr()
+    assert attn.k_proj.blocks.untyped_storage().data_ptr() == ptr  # q and k: one type in both cases, one kernel
+    assert (attn.v_proj.blocks.untyped_storage().data_ptr() == ptr) == same
     x = torch.randn(1, 3, 256, generator=torch.Generator().manual_seed(10)).to(DEV)
     y = fused_linear(x, [attn.q_proj, attn.k_proj, attn.v_proj])
     assert y.shape == (1, 3, 64)
