@@ -63,13 +63,11 @@ def test_demo_dflash2_cut_by_its_confidence_is_lossless_and_drafts_fewer(prompts
         "drafter": {"plugin": "dflash2", "params": {"path": str(DEMO / "dflash2")}},
         "selector": {"plugin": "dflash2-selector"}, "verify": {"plugin": "verifier"}}}
     (tmp_path / "g.yaml").write_text(json.dumps(spec))
-    whole = greedy_gate(tmp_path / "g.yaml", prompts=prompts[:2], max_new_tokens=48)
     cut = greedy_gate(tmp_path / "g.yaml", prompts=prompts[:2], max_new_tokens=48,
                       overrides=["nodes.drafter.min_path_prob=0.01"])
     cycles = sum(r.stats["cycles"] for r in cut.speculative)
+    # the gate proved the tokens equal to target-only's; whole blocks would draft 15 a cycle (the last maybe fewer)
     assert cut.accepted > 0 and cut.drafted < 15 * cycles - 15, (cut.drafted, cycles)
-    assert cut.drafted < whole.drafted
-    assert [r.token_ids for r in cut.speculative] == [r.token_ids for r in whole.speculative]
 
 
 def test_a_negative_min_path_prob_is_reported_before_anything_runs(tmp_path):

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SMALL_PAIR
 
 from draftflow.plugins.dflash.loader import read_artifact
 from draftflow.tools.make_demo import build_parser, drafter_args
@@ -16,7 +16,7 @@ from draftflow.tools.make_demo import main as make_demo
 @pytest.mark.slow
 def test_dflash_stage_trains_on_regenerated_windows(tmp_path):
     out, work = tmp_path / "demo", tmp_path / "work"
-    shutil.copytree(ROOT / "graphs" / "models" / "demo" / "target", out / "target")
+    shutil.copytree(SMALL_PAIR / "target", out / "target")  # the small trained twin: the mechanics, in seconds
     assert make_demo(["--stage", "dflash", "--out", str(out), "--work", str(work), "--drafter-minutes", "0.05",
                       "--regen-windows", "32", "--drafter-data-mb", "1", "--eval-windows", "2", "--anchors", "16",
                       "--drafter-seq-len", "96", "--eval-decode-tokens", "6", "--regen-body-share", "0.5"]) == 0
