@@ -60,13 +60,12 @@ class GroupedDynamicConv(nn.Module):
         # z: [1, W, H]; dynamic: [1, W, K, groups]; returns [1, W, H]
         b, width, _ = z.shape
         grouped = z.view(b, width, self.num_groups, self.group_size)  # [1, W, g, G]
-        out = torch.zeros_like(grouped)
-        for tap in range(min(self.kernel_size, width)):  # taps reaching before row 0 see only zeros
+        base = self.base_kernel[side].view(self.kernel_size, self.num_groups, self.group_size).to(z.dtype)
+        coef = base + dynamic[..., None]  # [1, W, K, g, G]: row i's coefficient of tap t, channel c
+        out = coef[:, :, 0] * grouped
+        for tap in range(1, min(self.kernel_size, width)):  # taps reaching before row 0 see only zeros
             # Row i reads row i - tap; the first `tap` rows read the zero padding.
-            shifted = grouped if tap == 0 else F.pad(grouped[:, :width - tap], (0, 0, 0, 0, tap, 0))
-            base = self.base_kernel[side, tap].view(self.num_groups, self.group_size).to(z.dtype)
-            out = out + base * shifted
-            out = torch.addcmul(out, dynamic[:, :, tap, :, None], shifted)
+            out = torch.addcmul(out, coef[:, :, tap], F.pad(grouped[:, :width - tap], (0, 0, 0, 0, tap, 0)))
         return out.view_as(z)
 
 
