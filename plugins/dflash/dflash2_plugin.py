@@ -21,6 +21,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from draftflow.layers import cpu_linear
 from draftflow.layers.sampling import sample
 from draftflow.plugin import (
     BATCH,
@@ -117,7 +118,10 @@ class DFlash2(DFlash):
 
     def _warm_eager(self) -> torch.Tensor:
         hidden = super()._warm_eager()
-        self.model.candidate_selector.hidden_projection(hidden)  # the selector nodes' walk reads it
+        with cpu_linear.noting() as noted:
+            self.model.candidate_selector.hidden_projection(hidden)  # the selector nodes' walk reads it
+        if self.min_path_prob > 0:  # the walk reads the rows before the cut: 1..K (CPU: oneDNN's kernels for each)
+            cpu_linear.build_kernels(noted, lambda _: range(1, hidden.shape[1] + 1))
         return hidden
 
     @torch.inference_mode()

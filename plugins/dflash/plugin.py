@@ -48,6 +48,7 @@ from draftflow.plugin import (
     kv_dim,
     wrong_target_check,
 )
+from draftflow.layers import cpu_linear
 from draftflow.layers.fused import fuse_projections
 from draftflow.layers.kv_cache import KVCache
 from draftflow.layers.processors import LogitProcessor
@@ -332,19 +333,26 @@ class DFlash(RowProposals, Node):
     def warmup(self) -> None:
         """Capture the full-width B = 1 proposal graphs of the first KV buckets (graphs.WARMUP_BUCKETS), so the first
         request captures nothing; batched graphs are captured at their first use. Eager: one block in slot 0 (never
-        committed; the next prefill resets the slot), which on the CPU packs the weights for oneDNN."""
+        committed; the next prefill resets the slot), which on the CPU packs the weights for oneDNN, then the
+        kernels of every context length a cycle brings."""
         runner = self._runner()
         if runner is not None:
             runner.warmup()
         elif self.ctx.num_draft > 0:
-            self._warm_eager()
+            with cpu_linear.noting() as noted:
+                self._warm_eager()  # ingests C = 1 context row
             self.caches[0].crop(0)
+            # A cycle ingests C = 1..K+1 rows: `fc` takes C of them, each layer's k/v the C and the block's B (CPU:
+            # oneDNN's kernels for those row counts, layers/cpu_linear.py); the block's other products keep B rows
+            width = slot_width(self.config, self.ctx.num_draft)
+            cpu_linear.build_kernels(noted, lambda m: range(m, m + self.ctx.num_draft + 1) if m in (1, 1 + width) else ())
 
     def _warm_eager(self) -> torch.Tensor:
-        """`_eager_block` on one zero feature row in slot 0; returns the draft rows' hidden states ([1, B-1, H])."""
+        """`_eager_block` on one zero feature row in slot 0, offering K rows; returns their hidden states ([1, K, H])."""
         cfg, width = self.config, slot_width(self.config, self.ctx.num_draft)
         rows = torch.zeros(1, 1, cfg.num_taps * cfg.hidden_size, dtype=self.dtype, device=self.ctx.device)
-        return self._eager_block(rows, 0, cfg.mask_token_id, width, width - 1, self.caches[0])[0]
+        k = min(self.ctx.num_draft, width - 1)
+        return self._eager_block(rows, 0, cfg.mask_token_id, width, k, self.caches[0])[0]
 
     @torch.inference_mode()
     def step(self, batch, inputs):

@@ -46,6 +46,7 @@ from draftflow.plugin import (
 )
 from draftflow.plugins.mtp.model import load_head
 from draftflow.plugins.mtp.weights import LAYOUTS, find_mtp
+from draftflow.layers import cpu_linear
 from draftflow.layers.kv_cache import KVCache
 
 PARAMS = (
@@ -111,14 +112,17 @@ class Mtp(Node):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One pair through the head in slot 0 (never committed): on the CPU this packs its weights for oneDNN."""
+        """One pair through the head in slot 0 (never committed): on the CPU this packs its weights for oneDNN, then
+        builds its kernels for the 1..K+1 pairs a cycle's catch-up brings (layers/cpu_linear.py)."""
         experts = self.head.expert_cache
         if experts is not None and not experts.device_path:
             return  # host-routed experts: a forward would move experts before the first request
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.ctx.device)
         hidden = torch.zeros((1, 1, self.tap.stop - self.tap.start), dtype=self.ctx.dtype, device=self.ctx.device)
-        self.head(ids, hidden, 0, self.cache.rows(0, 1))
+        with cpu_linear.noting() as noted:
+            self.head(ids, hidden, 0, self.cache.rows(0, 1))
         self.cache.crop(0, row=0)
+        cpu_linear.build_kernels(noted, lambda _: range(1, self.ctx.num_draft + 2))
 
     @torch.inference_mode()
     def prefill(self, req):

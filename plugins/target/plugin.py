@@ -248,8 +248,9 @@ class Target(Node):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """A short eager window (CUDA: loads libraries and kernels; CPU: packs every float32 weight for oneDNN,
-        layers/cpu_linear.py), then on CUDA capture the decode and verify graphs."""
+        """A short eager window (CUDA: loads libraries and kernels; CPU: packs every float32 weight for oneDNN and
+        builds its kernels for every verify width, layers/cpu_linear.py), then on CUDA capture the decode and verify
+        graphs."""
         experts = self.model.expert_cache
         if experts is not None and not experts.device_path:
             return  # host-routed experts: an eager window would move experts before the first request
@@ -258,8 +259,11 @@ class Target(Node):
         cache, linear = self._slot(0)
         start = cache.length
         ids = torch.zeros(1, min(16, cache.capacity - start), dtype=torch.long, device=self.ctx.device)
-        if ids.shape[1]:
-            self.model(ids, start, cache, logit_rows=1, linear=linear, kernels=self.prefill_kernels)
+        with cpu_linear.noting() as noted:
+            if ids.shape[1]:
+                self.model(ids, start, cache, logit_rows=1, linear=linear, kernels=self.prefill_kernels)
+        # A B = 1 verify window has 1..K+1 rows, and every product of it (the LM head too) takes them all
+        cpu_linear.build_kernels(noted, lambda _: range(1, self.ctx.num_draft + 2))
         if torch.device(self.ctx.device).type != "cuda":
             return
         if self.runner is not None and self.ctx.params["warmup_tokens"]:

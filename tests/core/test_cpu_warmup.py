@@ -1,5 +1,6 @@
 """`Session.open` warms a CPU graph up: the target and the DFlash/DFlash2/MTP drafter pack their float32 weights for
-oneDNN there (layers/cpu_linear.py), so no request pays for a pack."""
+oneDNN there and build its kernels for the row counts a request brings (layers/cpu_linear.py), so no request pays
+for a pack or a kernel build."""
 
 from __future__ import annotations
 
@@ -46,3 +47,29 @@ def test_open_packs_every_weight_and_a_request_packs_none(counted_packs, graph, 
         assert first.stats["cycles"] < 24  # drafts were accepted: the drafter ran
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("graph", ["demo.yaml", "demo-dflash2.yaml", MTP_GRAPH], ids=["dflash", "dflash2-cut", "mtp"])
+def test_a_request_meets_no_product_shape_the_warm_up_did_not_build(monkeypatch, graph):
+    """oneDNN builds a kernel per (row count, weight shape) at its first product (~0.5 ms on a 2-core EPYC): the first
+    request (verify windows of many widths, context lengths, cut draft rows) runs none the warm-up did not. Its prompt
+    has at most K+1 tokens: a longer prompt's prefill runs at its own length, which no warm-up can know."""
+    seen = []
+    real = cpu_linear._onednn
+    monkeypatch.setattr(cpu_linear, "_onednn",
+                        lambda rows, w, b: seen.append((w.size(0), w.size(1), rows.shape[0])) or real(rows, w, b))
+    if isinstance(graph, str):
+        session = Session.open(SMALL_PAIR / graph, overrides=["nodes.drafter.params.min_path_prob=0.05"]
+                               if graph == "demo-dflash2.yaml" else ())
+    else:
+        session = Session.open(graph_dict=graph)
+    try:
+        built, k = set(seen), session.plan.spec.num_draft
+        seen.clear()
+        result = session.generate(session.encode("def add(a, b):")[:k + 1], SamplingParams(max_new_tokens=32))
+    finally:
+        session.close()
+    assert result.stats["cycles"] < 32 and len(seen) > 50
+    assert set(seen) <= built, sorted(set(seen) - built)
+    head = max(built)[:2]  # the LM head, the largest weight here: at every verify width
+    assert {(*head, w) for w in range(1, k + 2)} <= built

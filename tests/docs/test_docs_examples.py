@@ -18,6 +18,27 @@ def python_blocks(path):
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
+def test_plugins_md_cpu_warm_up_example_builds_every_step_width(monkeypatch):
+    """The CPU warm-up of docs/PLUGINS.md, as a node's method: one forward, then the kernels of rows 1..K+1."""
+    import pytest
+    import torch
+
+    from draftflow.layers import cpu_linear
+
+    if not cpu_linear.HAS_PACKING:
+        pytest.skip("this torch build cannot pack oneDNN weights")
+    block = next(b for b in python_blocks(ROOT / "docs" / "PLUGINS.md") if "build_kernels" in b)
+    namespace = {}
+    exec(block, namespace)
+    calls = []
+    real = cpu_linear._onednn
+    monkeypatch.setattr(cpu_linear, "_onednn", lambda rows, w, b: calls.append((w.size(0), rows.shape[0])) or real(rows, w, b))
+    node = types.SimpleNamespace(model=cpu_linear.Linear(48, 40, bias=False).requires_grad_(False), width=48,
+                                 ctx=types.SimpleNamespace(num_draft=3))
+    namespace["warmup"](node)
+    assert calls == [(40, 1), (40, 2), (40, 3), (40, 4)]  # the forward's one row, then the widths it had not run
+
+
 def test_plugins_md_example_registers_and_runs():
     """The complete drafter in docs/PLUGINS.md registers through the hook and drafts losslessly in a graph."""
     module = types.ModuleType("doc_example")

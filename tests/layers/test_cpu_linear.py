@@ -106,3 +106,49 @@ def test_a_weight_made_in_inference_mode_packs_too(fresh_packs):
         got = cpu_linear.linear(x, w)
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
     assert cpu_linear.packed_bytes() == w.numel() * 4
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Every oneDNN product from here on, as (weight's [N, K], row count), in order."""
+    calls = []
+    real = cpu_linear._onednn
+
+    def spy(rows, weight, bias):
+        calls.append(((weight.size(0), weight.size(1)), rows.shape[0]))
+        return real(rows, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "_onednn", spy)
+    return calls
+
+
+@needs_packing
+def test_noted_products_build_the_row_counts_asked_for_once_each(fresh_packs, onednn_calls):
+    gen = torch.Generator().manual_seed(5)
+    w, v, head = (torch.randn(n, 384, generator=gen) for n in (640, 640, 2048))  # w, v: one kernel kind
+    with cpu_linear.noting() as noted:
+        cpu_linear.linear(torch.randn(1, 3, 384, generator=gen), w)
+        cpu_linear.linear(torch.randn(1, 3, 384, generator=gen), v)
+        cpu_linear.linear(torch.randn(1, 1, 384, generator=gen), head)
+        with cpu_linear.noting() as inner:  # a nested note keeps its products to itself
+            cpu_linear.linear(torch.randn(2, 384, generator=gen), head)
+    assert sorted((key[0], rows) for key, (_, _, rows) in noted.items()) == [((640, 384), {3}), ((2048, 384), {1})]
+    assert [(key[0], rows) for key, (_, _, rows) in inner.items()] == [((2048, 384), {2})]
+    onednn_calls.clear()
+    # each kind at the counts asked for its noted count m; counts below 1 and those already run are skipped
+    assert cpu_linear.build_kernels(noted, lambda m: range(m - 3, m + 2)) == 3 + 1
+    assert sorted(onednn_calls) == [((640, 384), 1), ((640, 384), 2), ((640, 384), 4), ((2048, 384), 2)]
+    assert cpu_linear.build_kernels(noted, lambda m: range(1, 3)) == 0  # built now
+    assert cpu_linear.build_kernels({}, lambda m: range(1, 5)) == 0  # nothing noted (CUDA, autograd): nothing runs
+
+
+@needs_packing
+def test_weights_past_the_build_limit_are_left_to_their_first_product(fresh_packs, onednn_calls, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "BUILD_MAX_BYTES", 640 * 384 * 4)
+    small, large = torch.randn(640, 384), torch.randn(641, 384)
+    with cpu_linear.noting() as noted:
+        for w in (small, large):
+            cpu_linear.linear(torch.randn(2, 384), w)
+    onednn_calls.clear()
+    assert cpu_linear.build_kernels(noted, lambda m: range(1, 4)) == 2
+    assert sorted(onednn_calls) == [((640, 384), 1), ((640, 384), 3)]
