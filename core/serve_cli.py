@@ -10,6 +10,7 @@ from pathlib import Path
 from draftflow.core.errors import DraftflowError
 from draftflow.core.listen import check_listen
 from draftflow.core.server import ServeConfig, serve
+from draftflow.core.serving import Engine
 from draftflow.core.session import Session
 from draftflow.core.spec import MAX_BATCH, apply_overrides, read_graph_dict
 
@@ -45,9 +46,12 @@ def run_serve(args) -> int:
     keys = tuple(args.api_keys) or tuple(k for k in [os.environ.get("DRAFTFLOW_API_KEY")] if k)
     if os.environ.get("RANK", "0") == "0":  # tensor-parallel ranks > 0 mirror rank 0 and never listen
         check_listen(args.host, args.port)  # a taken port or a wrong --host before the model loads
-    # Session.open runs the full `check` (every problem at once) before anything is allocated or bound.
-    session = Session.open(graph_path=Path(args.graph), overrides=overrides, trace=args.trace,
-                           threads=getattr(args, "threads", None))
+    # Session.open runs the full `check` (every problem at once) before anything is allocated or bound; it runs on
+    # the engine's worker thread, which then decodes: the thread that warmed the model up runs every cycle.
+    engine = Engine.open_in_worker(lambda: Session.open(graph_path=Path(args.graph), overrides=overrides,
+                                                        trace=args.trace, threads=getattr(args, "threads", None)),
+                                   max_waiting=args.max_waiting, prefill_budget=args.prefill_budget)
+    session = engine.session
     print(f"draftflow serve: graph '{session.plan.spec.name}' checked: {len(session.plan.order)} nodes, "
           f"num_draft {session.plan.spec.num_draft}, context {session.executor.kv_tokens} tokens, "
           f"max_batch {session.executor.max_batch}", file=sys.stderr)
@@ -61,7 +65,7 @@ def run_serve(args) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        serve(session, config)
+        serve(session, config, engine=engine)
     except KeyboardInterrupt:
         pass
     finally:

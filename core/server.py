@@ -349,9 +349,11 @@ class DraftflowServer(ThreadingHTTPServer):
             log.error("connection_failed", client=client_address[0], error=f"{type(exc).__name__}: {exc}", exc_info=exc)
 
 
-def serve(session, config: ServeConfig, ready=None) -> None:
-    """Run the server until interrupted; ``ready(server)`` is called once it is listening."""
-    engine = Engine(session, max_waiting=config.max_waiting, prefill_budget=config.prefill_budget)
+def serve(session, config: ServeConfig, ready=None, engine: Engine | None = None) -> None:
+    """Run the server until interrupted; ``ready(server)`` is called once it is listening. ``engine``: one already
+    running on ``session`` (``Engine.open_in_worker``, as `draftflow serve` opens it); default: a new one."""
+    if engine is None:
+        engine = Engine(session, max_waiting=config.max_waiting, prefill_budget=config.prefill_budget)
     try:
         server = DraftflowServer(config, engine)
     except OSError as exc:

@@ -343,7 +343,8 @@ class DFlash(RowProposals, Node):
                 self._warm_eager()  # ingests C = 1 context row
             self.caches[0].crop(0)
             # A cycle ingests C = 1..K+1 rows: `fc` takes C of them, each layer's k/v the C and the block's B (CPU:
-            # oneDNN's kernels for those row counts, layers/cpu_linear.py); the block's other products keep B rows
+            # oneDNN's kernels for those row counts, layers/cpu_linear.py); the block's other products keep B rows.
+            # (After a cycle a policy gave K = 0, the next one ingests both cycles' rows: a count built on first use.)
             width = slot_width(self.config, self.ctx.num_draft)
             cpu_linear.build_kernels(noted, lambda m: range(m, m + self.ctx.num_draft + 1) if m in (1, 1 + width) else ())
 

@@ -345,3 +345,51 @@ def test_stop_scanner_holds_back_partial_stop():
     assert s.feed([3]) == ("", True)  # "c##d": cut before "##"
     t = StopScanner(lambda ids: "".join(vocab[i] for i in ids), ("##",))
     assert t.feed([2]) == ("c", False) and t.feed([4]) == ("#e", False) and t.flush() == ""
+
+
+def test_serve_opens_the_graph_on_the_thread_that_decodes(monkeypatch):
+    """`draftflow serve` loads and warms the graph up on the engine's worker thread, which then runs every cycle: on the
+    CPU each thread running torch's parallel regions has its own OpenMP team, and a main-thread warm-up beside a
+    worker that decodes made the demo graph's requests ~1.5x slower (docs/SERVING.md)."""
+    from draftflow.core import serve_cli
+    from draftflow.core.cli import main
+    from draftflow.core.node import SamplingParams
+    from draftflow.core.serving import ServeRequest
+    from draftflow.plugins.target.plugin import Target
+
+    threads = {"warmup": set(), "step": set()}
+    real_warmup, real_step = Target.warmup, Target.step
+
+    def warmup(self):
+        threads["warmup"].add(threading.get_ident())
+        return real_warmup(self)
+
+    def step(self, batch, inputs):
+        threads["step"].add(threading.get_ident())
+        return real_step(self, batch, inputs)
+
+    def fake_serve(session, config, ready=None, engine=None):  # serve's engine, one request through it, then stop
+        from draftflow.core.serving import Engine
+
+        engine = engine or Engine(session)
+        req = ServeRequest(id="t", prompt_ids=[5, 6, 7, 5, 6, 7], sampling=SamplingParams(max_new_tokens=6))
+        engine.submit(req)
+        while (event := req.events.get(timeout=60))[0] != "finish":
+            assert event[0] == "delta", event
+        threads["engine"] = engine._thread.ident
+        engine.close()
+
+    monkeypatch.setattr(Target, "warmup", warmup)
+    monkeypatch.setattr(Target, "step", step)
+    monkeypatch.setattr(serve_cli, "serve", fake_serve)
+    monkeypatch.setattr(serve_cli.signal, "signal", lambda *args: None)  # leave this process's SIGTERM alone
+    assert main(["serve", str(GRAPH), "--port", "0"]) == 0
+    assert threads["warmup"] == threads["step"] == {threads["engine"]} != {threading.get_ident()}
+
+
+def test_a_graph_error_on_the_worker_thread_is_raised_to_serve(tmp_path):
+    """The open runs on the worker thread; its error still ends `draftflow serve` as one line, exit 1, no traceback."""
+    r = run_cli(["serve", GRAPH, "--port", "0", "--set", "nodes.target.params.path=" + str(tmp_path / "nope")])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(r"error: 1 problem in .*default\.yaml:\n  .*node 'target' .*nope: no such model directory.*\n",
+                        r.stderr), r.stderr
