@@ -95,10 +95,11 @@ def random_pair(tiny: bool, tokenizer=None):
     tcfg_d, dcfg_d = dict(gt.QWEN3_8B), dict(gd.DRAFTER_8B)
     if tiny:
         gt.DEV = "cpu"
-        tcfg_d = dict(gt.TINY, num_hidden_layers=4)
-        dcfg_d.update(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        vocab = tokenizer.get_vocab_size() if tokenizer is not None else gt.TINY["vocab_size"]  # its prompts' ids fit
+        tcfg_d = dict(gt.TINY, num_hidden_layers=4, vocab_size=vocab)
+        dcfg_d.update(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, num_target_layers=4,
-                      dflash_config={"mask_token_id": 511, "target_layer_ids": [1, 2]})
+                      dflash_config={"mask_token_id": vocab - 1, "target_layer_ids": [1, 2]})
     tcfg = TargetConfig.from_hf_dict(tcfg_d, "qwen3-8b-shape")
     dcfg = DFlashConfig.from_hf_dict(dcfg_d, "dflash-b16-shape")
     target = gt.build_model(tcfg, seed=0)

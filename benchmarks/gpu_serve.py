@@ -54,8 +54,10 @@ def serve_child(name: str, tiny: bool, max_batch: int, port, ready, switch: floa
     root, _, dcfg = gb.random_pair(tiny, Tokenizer.from_file(str(DEMO_TOKENIZER)))
     path = root / f"{name}.yaml"
     path.write_text(graph_text(name, gt.DEV, list(dcfg.target_layer_ids)))
-    session = Session.open(graph_path=path, overrides=batch_overrides(path, [], str(max_batch)))
-    server = DraftflowServer(ServeConfig(port=0, max_waiting=256), Engine(session, max_waiting=256))
+    # opened on the worker thread that decodes, as `draftflow serve` does (Engine.open_in_worker)
+    engine = Engine.open_in_worker(lambda: Session.open(graph_path=path, overrides=batch_overrides(path, [], str(max_batch))),
+                                   max_waiting=256)
+    server = DraftflowServer(ServeConfig(port=0, max_waiting=256), engine)
     port.value = server.server_address[1]
     ready.set()
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -162,9 +162,11 @@ def start_server(args):
     from draftflow.core.session import Session
 
     graph = Path(args.graph) if args.graph else Session.shipped_graph("default.yaml")
-    session = Session.open(graph_path=graph, overrides=batch_overrides(graph, [], args.max_batch))
     waiting = max(64, max(args.concurrency))  # every client may be waiting at once
-    server = DraftflowServer(ServeConfig(port=0, max_waiting=waiting), Engine(session, max_waiting=waiting))
+    # opened on the worker thread that decodes, as `draftflow serve` does (Engine.open_in_worker: one OpenMP team)
+    engine = Engine.open_in_worker(lambda: Session.open(graph_path=graph, overrides=batch_overrides(graph, [], args.max_batch)),
+                                   max_waiting=waiting)
+    server = DraftflowServer(ServeConfig(port=0, max_waiting=waiting), engine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
