@@ -46,8 +46,8 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
                  target_path: Path | None = None, drafter_dtype: str = "graph", cut: float = 0.0) -> dict[str, dict]:
     """Graphs (as YAML-shaped dicts) of each drafter on the demo target (DFlash2 rows when `demo/dflash2` exists);
     ``target_path``: another checkpoint of the same target in its place (e.g. a quantized GGUF of it);
-    ``drafter_dtype``: the DFlash and DFlash2 nodes' `dtype` param; ``cut`` > 0: also the DFlash2 rows with the
-    dflash2 node's `min_path_prob` at that value (named "..., cut P")."""
+    ``drafter_dtype``: the DFlash and DFlash2 nodes' `dtype` param; ``cut`` > 0: also the DFlash and DFlash2 rows with
+    the drafter node's `min_path_prob` at that value (named "..., cut P")."""
     from draftflow.plugins.dflash.loader import read_artifact
 
     art = read_artifact(demo / "dflash")
@@ -84,6 +84,10 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
                                                                                                   "min_tokens": 2}}},
                                      [*mix_edges, "lookup.proposal -> dflash.defer"]),
     }
+    if cut > 0:  # DFlash cutting its blocks where its confidence runs out
+        cut1 = dict(dflash, params=dict(dflash["params"], min_path_prob=cut))
+        configs[f"DFlash, cut {cut:g}"] = dict(configs["DFlash"], name="dflash-cut",
+                                                nodes=dict(configs["DFlash"]["nodes"], dflash=cut1))
     if (demo / "dflash2" / "config.json").exists():
         from draftflow.plugins.dflash.dflash2_loader import read_config
 
@@ -201,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run each prompt through every row in turn (the order rotating), so a drift in the machine's "
                    "speed and first-seen costs (e.g. per-shape kernel setup) reach every row alike; --no-interleave: "
                    "row after row, as before 2026-12-04")
-    p.add_argument("--cut", type=float, default=0.0, help="also the DFlash2 rows with the dflash2 node's "
-                   "min_path_prob at this value ('DFlash2, cut P', 'lookup, else DFlash2, cut P')")
+    p.add_argument("--cut", type=float, default=0.0, help="also the DFlash and DFlash2 rows with the drafter node's "
+                   "min_path_prob at this value ('DFlash, cut P', 'DFlash2, cut P', 'lookup, else DFlash2, cut P')")
     p.add_argument("--configs", nargs="+", help="run only these rows (names as printed, e.g. 'target only' DFlash)")
     p.add_argument("--plot")
     p.add_argument("--json")

@@ -48,16 +48,12 @@ from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_s
 from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
-from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, shortcut_hooks, slot_width,
-                                             tap_layer_check, trained_for)
+from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, confident_width, shortcut_hooks,
+                                             slot_width, tap_layer_check, trained_for)
 from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
-          *DFLASH_PARAMS[1:],  # cuda_graphs, dtype, defer_min
-          ParamSpec("min_path_prob", "float", 0.0, "cut the block's drafts short: keep those before the first row where "
-                    "the running product of the top candidate's probability falls under this (at least one draft; "
-                    "the widest row's cut in a batch); 0: every row of the block. The target verifies fewer drafts, "
-                    "so the output is unchanged; one host sync a cycle", minimum=0.0))
+          *DFLASH_PARAMS[1:])  # cuda_graphs, dtype, defer_min, min_path_prob (the top candidate's probability)
 
 
 @attrs.define
@@ -141,16 +137,6 @@ class DFlash2(DFlash):
             k = confident_width(logits, scores[..., 0], self.min_path_prob)
             ids, scores, hidden = ids[:, :k], scores[:, :k], hidden[:, :k]
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector)}
-
-
-def confident_width(logits: torch.Tensor, top: torch.Tensor, threshold: float) -> int:
-    """How many of a block's K draft rows to keep: those before the first row where the running product of the top
-    candidate's probability (softmax of `logits` [B, K, V] at its top logit `top` [B, K]) falls under `threshold`; at
-    least 1, and the widest row's count over the batch."""
-    k = top.shape[1]
-    below = torch.cumprod(torch.exp(top.float() - torch.logsumexp(logits.float(), -1)), -1) < threshold  # [B, K]
-    first = torch.where(below.any(-1), below.int().argmax(-1), k)  # [B]: the first row under it, else K
-    return max(1, int(first.max()))
 
 
 def selector_manifest(params, env) -> Manifest:

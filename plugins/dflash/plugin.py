@@ -69,6 +69,10 @@ PARAMS = (
     ParamSpec("defer_min", "int", 2, "with the `defer` input connected (e.g. prompt lookup's proposal, which a mixer "
               "prefers): draft nothing in a cycle where that proposal already offers this many drafts in every row",
               minimum=1),
+    ParamSpec("min_path_prob", "float", 0.0, "cut the block's drafts short: keep those before the first row where "
+              "the running product of the row's top probability (the drafter's softmax) falls under this (at least "
+              "one draft; the widest row's cut in a batch); 0: every row of the block. The target verifies fewer "
+              "drafts, so the output is unchanged; one host sync a cycle", minimum=0.0),
 )
 DEFER_DOC = ("optional: another drafter's proposal; a cycle where it offers `defer_min` drafts in every row drafts "
              "nothing here (its feature rows wait in the target's tap buffer)")
@@ -122,6 +126,7 @@ class DFlash(RowProposals, Node):
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, self.dtype)
         self._fuse_on_cpu()
+        self.min_path_prob = float(ctx.params["min_path_prob"])
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
         self.compiler = None  # GrammarCompiler, built at the first request with a grammar, then reused
@@ -362,6 +367,9 @@ class DFlash(RowProposals, Node):
             return {"proposal": Proposal(torch.empty(batch.size, 0, dtype=torch.long, device=self.ctx.device))}
         _, logits, widths = drafted  # [B, K, V]
         logits = self.processed(batch, logits)
+        if self.min_path_prob > 0:  # the drafts before the drafter's confidence runs out (docs/DFLASH.md)
+            k = confident_width(logits, logits.amax(-1), self.min_path_prob)
+            logits, widths = logits[:, :k], [min(w, k) for w in widths]
         if batch.size == 1:
             return {"proposal": self._row_proposal(batch.rows[0], logits)}
         return {"proposal": self._batch_proposal(batch, logits, widths)}
@@ -372,6 +380,16 @@ class DFlash(RowProposals, Node):
         if matcher is not None:
             matcher.commit(info.emitted)
         return {}
+
+
+def confident_width(logits: torch.Tensor, top: torch.Tensor, threshold: float) -> int:
+    """How many of a block's K draft rows to keep: those before the first row where the running product of the top
+    candidate's probability (softmax of `logits` [B, K, V] at its top logit `top` [B, K]) falls under `threshold`; at
+    least 1, and the widest row's count over the batch."""
+    k = top.shape[1]
+    below = torch.cumprod(torch.exp(top.float() - torch.logsumexp(logits.float(), -1)), -1) < threshold  # [B, K]
+    first = torch.where(below.any(-1), below.int().argmax(-1), k)  # [B]: the first row under it, else K
+    return max(1, int(first.max()))
 
 
 def slot_width(cfg, num_draft: int) -> int:

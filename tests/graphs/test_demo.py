@@ -70,6 +70,19 @@ def test_demo_dflash2_cut_by_its_confidence_is_lossless_and_drafts_fewer(prompts
     assert cut.accepted > 0 and cut.drafted < 15 * cycles - 15, (cut.drafted, cycles)
 
 
+def test_demo_dflash_cut_by_its_confidence_is_lossless_and_drafts_fewer(prompts, tmp_path):
+    """The dflash node's `min_path_prob` (a YAML param): output unchanged, fewer drafts than whole blocks."""
+    spec = {"name": "demo-dflash-cut", "device": "cpu", "dtype": "float32", "num_draft": 15, "nodes": {
+        "target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "kv_mode": "static",
+                                                  "tap_layers": [1, 4, 7]}},
+        "drafter": {"plugin": "dflash", "params": {"path": str(DEMO / "dflash")}}, "verify": {"plugin": "verifier"}}}
+    (tmp_path / "g.yaml").write_text(json.dumps(spec))
+    cut = greedy_gate(tmp_path / "g.yaml", prompts=prompts[:2], max_new_tokens=48,
+                      overrides=["nodes.drafter.min_path_prob=0.01"])
+    cycles = sum(r.stats["cycles"] for r in cut.speculative)
+    assert cut.accepted > 0 and cut.drafted < 15 * cycles - 15, (cut.drafted, cycles)
+
+
 def test_a_negative_min_path_prob_is_reported_before_anything_runs(tmp_path):
     """`--set nodes.dflash2.min_path_prob=-1` on the default graph: the graph check's report naming the node, the
     param and the fix; exit 1, no traceback, nothing written."""

@@ -158,6 +158,8 @@ def test_cut_adds_the_dflash2_rows_with_min_path_prob(tmp_path):
     configs = demo_configs("cpu", 15, shipped, cut=0.01)
     assert configs["DFlash2, cut 0.01"]["nodes"]["dflash2"]["params"]["min_path_prob"] == 0.01
     assert configs["lookup, else DFlash2, cut 0.01"]["nodes"]["dflash2"]["params"]["min_path_prob"] == 0.01
+    assert configs["DFlash, cut 0.01"]["nodes"]["dflash"]["params"]["min_path_prob"] == 0.01
+    assert "min_path_prob" not in configs["DFlash"]["nodes"]["dflash"]["params"]  # the uncut row is left as it was
     assert "min_path_prob" not in configs["DFlash2"]["nodes"]["dflash2"]["params"]
     assert not any("cut" in name for name in demo_configs("cpu", 15, shipped))
     out = tmp_path / "r.json"

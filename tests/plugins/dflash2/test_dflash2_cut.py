@@ -1,4 +1,4 @@
-"""The dflash2 node's `min_path_prob`: a block's drafts cut where the drafter's own confidence runs out."""
+"""The dflash2 (and dflash) node's `min_path_prob`: a block's drafts cut where the drafter's own confidence runs out."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from draftflow.plugins.dflash.dflash2_plugin import PARAMS, confident_width
+from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 
 
 def block(probs: list[list[float]], vocab: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +36,7 @@ def test_the_width_stops_before_the_first_row_under_the_threshold(probs, thresho
     assert confident_width(logits, top, threshold) == width
 
 
-def test_the_param_is_declared_off_by_default_and_never_negative():
-    spec = next(p for p in PARAMS if p.name == "min_path_prob")
+@pytest.mark.parametrize("params", [PARAMS, DFLASH_PARAMS], ids=["dflash2", "dflash"])
+def test_the_param_is_declared_off_by_default_and_never_negative(params):
+    spec = next(p for p in params if p.name == "min_path_prob")
     assert spec.type == "float" and spec.default == 0.0 and spec.below_minimum(-0.1) == -0.1
