@@ -84,10 +84,6 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
                                                                                                   "min_tokens": 2}}},
                                      [*mix_edges, "lookup.proposal -> dflash.defer"]),
     }
-    if cut > 0:  # DFlash cutting its blocks where its confidence runs out
-        cut1 = dict(dflash, params=dict(dflash["params"], min_path_prob=cut))
-        configs[f"DFlash, cut {cut:g}"] = dict(configs["DFlash"], name="dflash-cut",
-                                                nodes=dict(configs["DFlash"]["nodes"], dflash=cut1))
     if (demo / "dflash2" / "config.json").exists():
         from draftflow.plugins.dflash.dflash2_loader import read_config
 
@@ -102,11 +98,12 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
         configs["mixer(lookup, DFlash2)"] = graph("mix2", mixed2, mix2, taps=taps)
         configs["lookup, else DFlash2"] = graph("lookup-else-dflash2", mixed2,
                                                 [*mix2, "lookup.proposal -> dflash2.defer"], taps=taps)
-        if cut > 0:  # the same two graphs, their dflash2 node cutting its blocks
-            cut2 = dict(dflash2, params=dict(dflash2["params"], min_path_prob=cut))
-            for name in ("DFlash2", "lookup, else DFlash2"):
+    if cut > 0:  # the same graphs, their drafter node cutting its blocks where its confidence runs out
+        for name, node in (("DFlash", "dflash"), ("DFlash2", "dflash2"), ("lookup, else DFlash2", "dflash2")):
+            if name in configs:
                 g = configs[name]
-                configs[f"{name}, cut {cut:g}"] = dict(g, name=f"{g['name']}-cut", nodes=dict(g["nodes"], dflash2=cut2))
+                drafter = dict(g["nodes"][node], params=dict(g["nodes"][node]["params"], min_path_prob=cut))
+                configs[f"{name}, cut {cut:g}"] = dict(g, name=f"{g['name']}-cut", nodes={**g["nodes"], node: drafter})
     return configs
 
 

@@ -83,12 +83,14 @@ def test_demo_dflash_cut_by_its_confidence_is_lossless_and_drafts_fewer(prompts,
     assert cut.accepted > 0 and cut.drafted < 15 * cycles - 15, (cut.drafted, cycles)
 
 
-def test_a_negative_min_path_prob_is_reported_before_anything_runs(tmp_path):
-    """`--set nodes.dflash2.min_path_prob=-1` on the default graph: the graph check's report naming the node, the
-    param and the fix; exit 1, no traceback, nothing written."""
-    r = run_cli(["generate", "def f(x):", "--set", "nodes.dflash2.min_path_prob=-1"], cwd=tmp_path)
+@pytest.mark.parametrize(("graph", "name", "plugin"), [([], "dflash2", "dflash2"),
+                                                       (["--graph", str(ROOT / "graphs" / "demo-dflash.yaml")], "drafter", "dflash")])
+def test_a_negative_min_path_prob_is_reported_before_anything_runs(tmp_path, graph, name, plugin):
+    """`--set nodes.N.min_path_prob=-1` on the default graph (dflash2) and the DFlash demo graph (dflash): the graph
+    check's report naming the node, the param and the fix; exit 1, no traceback, nothing written."""
+    r = run_cli(["generate", "--prompt", "def f(x):", *graph, "--set", f"nodes.{name}.min_path_prob=-1"], cwd=tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr and not r.stdout.strip(), r.stderr
-    assert ("node 'dflash2' (dflash2) [param]: parameter 'min_path_prob': -1.0 is below the minimum 0.0; fix: set "
+    assert (f"node '{name}' ({plugin}) [param]: parameter 'min_path_prob': -1.0 is below the minimum 0.0; fix: set "
             "min_path_prob to 0.0 or more") in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
 
