@@ -107,12 +107,15 @@ def _round(x, IS_BF16: tl.constexpr):
 def _qk_rope_write_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, start_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
-    stride_row, stride_cache_b, stride_cache_pos, stride_rope_b, stride_start, eps, W,
+    stride_row, stride_cache_b, stride_cache_pos, stride_rope_b, stride_start, eps, W, Q_FROM,
     QH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, IS_BF16: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, POSITIONS: tl.constexpr = False,
 ):
     # qkv: [B*W, (QH+2*KVH)*D]; cos, sin: [W, D] shared or [B, W, D] per row (stride_rope_b 0 or W*D);
-    # start: [1] shared or [B] per row (stride_start 0 or 1); q: [B, KVH, G*W, D]; caches: [B, capacity, KVH, D]
+    # start: [1] shared or [B] per row (stride_start 0 or 1); q: [B, KVH, G*(W-Q_FROM), D]; caches: [B, capacity, KVH, D]
+    # POSITIONS (B = 1, a DFlash block forward): start_ptr holds each row's position [W]; rows before Q_FROM are
+    # context rows (keys and values only, no query), written only below the block's first position (row Q_FROM's):
+    # a stale padded context row at or past it lands on a block cell, which that block row writes
     pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -125,7 +128,13 @@ def _qk_rope_write_kernel(
     src = qkv_ptr + row * stride_row + head * D
     x1 = tl.load(src + offs).to(tl.float32)
     x2 = tl.load(src + HALF + offs).to(tl.float32)
-    pos = tl.load(start_ptr + b * stride_start) + w
+    lane = offs * 0  # the stores' masks are vectors (the interpreter takes no scalar mask)
+    if POSITIONS:
+        pos = tl.load(start_ptr + w)
+        live = (lane + w >= Q_FROM) | (lane + pos < tl.load(start_ptr + Q_FROM))
+    else:
+        pos = tl.load(start_ptr + b * stride_start) + w
+        live = lane == 0
     cos_ptr += b * stride_rope_b
     sin_ptr += b * stride_rope_b
     if head < QH + KVH:
@@ -146,16 +155,17 @@ def _qk_rope_write_kernel(
         # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
         o1 = _round(_round(x1 * c1, IS_BF16) + _round(-x2 * s1, IS_BF16), IS_BF16)
         o2 = _round(_round(x2 * c2, IS_BF16) + _round(x1 * s2, IS_BF16), IS_BF16)
-        if head < QH:  # query head h = kvh*G + g goes to row g*W + w of its KV head's group
-            dst = q_ptr + ((b * KVH + head // G) * (G * W) + (head % G) * W + w) * D
+        if head < QH:  # query head h = kvh*G + g goes to row g*W' + w of its KV head's group (W' = W - Q_FROM)
+            dst = q_ptr + ((b * KVH + head // G) * (G * (W - Q_FROM)) + (head % G) * (W - Q_FROM) + w - Q_FROM) * D
+            live = lane + w >= Q_FROM
         else:
             dst = k_cache_ptr + b * stride_cache_b + pos * stride_cache_pos + (head - QH) * D
     else:
         o1 = x1
         o2 = x2
         dst = v_cache_ptr + b * stride_cache_b + pos * stride_cache_pos + (head - QH - KVH) * D
-    tl.store(dst + offs, o1.to(dtype))
-    tl.store(dst + HALF + offs, o2.to(dtype))
+    tl.store(dst + offs, o1.to(dtype), mask=live)
+    tl.store(dst + HALF + offs, o2.to(dtype), mask=live)
 
 
 def qk_rope_write(
@@ -180,9 +190,39 @@ def qk_rope_write(
         qkv, cos, sin, q_norm if has_norm else qkv, k_norm if has_norm else qkv, start,
         q, k_cache, v_cache,
         qkv.stride(1), k_cache.stride(0), k_cache.stride(1), w * d if cos.dim() == 3 else 0,
-        1 if start.shape[0] > 1 else 0, eps, w,
+        1 if start.shape[0] > 1 else 0, eps, w, 0,
         QH=num_heads, KVH=kvh, D=d, HAS_NORM=has_norm, IS_BF16=qkv.dtype == torch.bfloat16, num_warps=1,
         **pdl(qkv.device),
+    )
+    return q
+
+
+def block_rope_write(
+    qkv: torch.Tensor,  # [1, T, (QH + 2*KVH) * D]: C context rows, then the block's rows
+    positions: torch.Tensor,  # [T] int64: each row's cache position (the block's consecutive)
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    q_norm: torch.Tensor | None,  # [D] or None
+    k_norm: torch.Tensor | None,  # [D]
+    context_rows: int,  # C
+    k_cache: torch.Tensor,  # [1, capacity, KVH, D], one layer's keys
+    v_cache: torch.Tensor,  # [1, capacity, KVH, D]
+    num_heads: int,
+    eps: float,
+) -> torch.Tensor:  # q: [1, KVH, G*(T-C), D], the block rows' queries folded as decode_attention takes them
+    """`qk_rope_write` for a DFlash block forward (context rows and block rows in one launch): every row's k and v
+    normalised, rotated and written at its own position, except context rows at or past the block's first position
+    (stale rows padding a CUDA graph's fixed shape: the block writes those cells); queries for the block rows only."""
+    _, t, _ = qkv.shape
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    q = torch.empty(1, kvh, (num_heads // kvh) * (t - context_rows), d, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None
+    _qk_rope_write_kernel[(t, num_heads + 2 * kvh)](
+        qkv, cos.contiguous(), sin.contiguous(), q_norm if has_norm else qkv, k_norm if has_norm else qkv, positions,
+        q, k_cache, v_cache,
+        qkv.stride(1), k_cache.stride(0), k_cache.stride(1), 0, 0, eps, t, context_rows,
+        QH=num_heads, KVH=kvh, D=d, HAS_NORM=has_norm, IS_BF16=qkv.dtype == torch.bfloat16, POSITIONS=True,
+        num_warps=1, **pdl(qkv.device),
     )
     return q
 
@@ -193,10 +233,10 @@ def _attn_split_kernel(
     m_ptr, l_ptr, acc_ptr,  # per-split partial results
     stride_cache_b, stride_cache_pos, stride_start, scale, W, R, NSPLIT,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, CAUSAL: tl.constexpr = True,
 ):
     # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per
-    # (b, kvh, key block, block of BLOCK_R rows)
+    # (b, kvh, key block, block of BLOCK_R rows). CAUSAL False: every row sees the whole window (a DFlash block)
     pdl_enter(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -215,7 +255,10 @@ def _attn_split_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    visible = keys[None, :] <= (start + rows % W)[:, None]  # [BLOCK_R, BLOCK_N]: causal within the window
+    if CAUSAL:
+        visible = keys[None, :] <= (start + rows % W)[:, None]  # [BLOCK_R, BLOCK_N]: causal within the window
+    else:
+        visible = is_key[None, :] & (rows[:, None] >= 0)  # [BLOCK_R, BLOCK_N]
     # A large finite floor instead of -inf: a row may see nothing in this block, and -inf - -inf is NaN.
     s = tl.where(visible, s * scale, -1.0e30)
     m = tl.max(s, 1)
@@ -272,6 +315,7 @@ def decode_attention(
     start: torch.Tensor,  # [1] int64: position of the window's first token; or [B]: per row
     w: int,
     bucket: int,  # keys [0, bucket) are considered (the largest end over the rows); the grid depends only on it
+    causal: bool = True,  # False: every row sees keys [0, start + W), the whole window (a DFlash block's rows)
 ) -> torch.Tensor:  # [B, W, KVH*G*D], o_proj's input layout
     """Causal attention of a W-token window over the cache, split over key blocks (flash-decoding).
 
@@ -290,7 +334,7 @@ def decode_attention(
     _attn_split_kernel[(b * kvh, nsplit, triton.cdiv(rows, block_r))](
         q, k_cache, v_cache, start, m, l, acc,
         k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit,
-        KVH=kvh, D=d, BLOCK_R=block_r, BLOCK_N=ATTN_BLOCK_N, IS_FP32=fp32, num_warps=4, **pdl(q.device),
+        KVH=kvh, D=d, BLOCK_R=block_r, BLOCK_N=ATTN_BLOCK_N, IS_FP32=fp32, CAUSAL=causal, num_warps=4, **pdl(q.device),
     )
     out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(b * kvh, rows)](

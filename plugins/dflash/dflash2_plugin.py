@@ -53,7 +53,7 @@ from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFla
 from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
-          *DFLASH_PARAMS[1:])  # cuda_graphs, dtype, defer_min, min_path_prob (the top candidate's probability)
+          *DFLASH_PARAMS[1:])  # cuda_graphs, triton, dtype, defer_min, min_path_prob (the top candidate's probability)
 
 
 @attrs.define
@@ -98,7 +98,7 @@ class DFlash2(DFlash):
         Node.__init__(self, ctx)
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config2 = load_drafter(ctx.params["path"], ctx.device, self.dtype)
-        self._fuse_on_cpu()
+        self._fuse()
         self.config = self.config2.base  # what DFlash's binding and block forward read
         self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)
         self._init_slots(ctx.buffers["dflash2_kv"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]

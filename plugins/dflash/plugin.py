@@ -62,6 +62,10 @@ PARAMS = (
     ParamSpec("path", "path", help="z-lab DFlash directory (config.json + safetensors) or .gguf file"),
     ParamSpec("cuda_graphs", "bool", True, "on CUDA, replay each full-width proposal (ingest + block + LM head) as a "
               "CUDA graph per KV bucket, captured on first use; false: the eager forward"),
+    ParamSpec("triton", "bool", True, "on CUDA, a block's q/k-norm + RoPE + K/V writes as one Triton kernel, its "
+              "attention as the split-KV kernel and its residual adds, norms and SiLU gate as the target's Triton "
+              "kernels, with q/k/v and gate/up as one product each (full, non-causal drafter layers; docs/DFLASH.md); "
+              "false: the plain ops"),
     ParamSpec("dtype", "str", "graph", "the drafter's compute dtype: `graph` (the graph's) or its own; e.g. a bfloat16 "
               "drafter of a float32 target drafts on half-precision matrix units (GPU tensor cores, CPUs with "
               "AVX512-BF16/AMX) with a bfloat16 copy of the target's embedding and head; the target, and so the "
@@ -125,7 +129,7 @@ class DFlash(RowProposals, Node):
         super().__init__(ctx)
         self.dtype = node_dtype(ctx.params, ctx.dtype)
         self.model, self.config = load_drafter(ctx.params["path"], ctx.device, self.dtype)
-        self._fuse_on_cpu()
+        self._fuse()
         self.min_path_prob = float(ctx.params["min_path_prob"])
         self.embed: torch.Tensor | None = None  # [V, H], the target's (declared read: target_embed)
         self.head: torch.Tensor | None = None  # [V, H], the target's (declared read: target_head)
@@ -133,11 +137,13 @@ class DFlash(RowProposals, Node):
         self._init_slots(ctx.buffers["dflash_kv"])
         self._bind()
 
-    def _fuse_on_cpu(self) -> None:
-        """On the CPU, each drafter layer's k/v and gate/up weights back to back (views of one tensor each): one
-        product per pair. On CUDA not yet timed against cuBLAS's choice at the wider shapes (docs/DFLASH.md)."""
+    def _fuse(self) -> None:
+        """On the CPU, each drafter layer's q/k/v and gate/up weights back to back (views of one tensor each): one
+        product per group. On CUDA the same with the Triton block path (param `triton`), else the plain layout."""
         if torch.device(self.ctx.device).type == "cpu":
             fuse_projections(self.model)
+        elif self.ctx.params["triton"]:
+            self.model.use_triton()
 
     def _init_slots(self, buffer: torch.Tensor) -> None:
         """Per-slot state: a cache over each slot's row of `buffer` and the requests' matchers and processors."""

@@ -28,11 +28,18 @@ def pair(tmp_path_factory):
     return agreeing_pair(tmp_path_factory.mktemp("pair"))
 
 
-def _drafts(graph, device: str, runner: bool, num_draft: int = BLOCK - 1, capture: bool = False):
-    """Per-cycle (position, logits) of the drafter and the emitted tokens, eager or through the runner."""
-    plan = build_plan(load_graph(graph, overrides=[f"device={device}"] if device != "cpu" else ()), load_registry())
-    ex = Executor(plan)
+def _drafts(graph, device: str, runner: bool, num_draft: int = BLOCK - 1, capture: bool = False,
+            triton: bool | None = None, prompts=PROMPTS, max_new_tokens: int = 20):
+    """Per-cycle (position, logits) of the drafter and the emitted tokens, eager or through the runner; `triton`
+    True / False: the block path of `DFlashModel.use_triton` on / off whatever the node chose."""
+    overrides = [f"device={device}"] if device != "cpu" else []
+    if triton is False:
+        overrides.append("nodes.drafter.params.triton=false")
+    ex = Executor(build_plan(load_graph(graph, overrides=overrides), load_registry()))
     node = ex.nodes["drafter"]
+    if triton:
+        assert node.model.use_triton()
+    assert (node.model.kernels.split_attention is not None) == bool(triton or (triton is None and device != "cpu"))
     used = []
     if runner:
         def make():
@@ -57,7 +64,7 @@ def _drafts(graph, device: str, runner: bool, num_draft: int = BLOCK - 1, captur
         return out
 
     node.draft_block = spy
-    emitted = [ex.generate(p, SamplingParams(max_new_tokens=20)).token_ids for p in PROMPTS]
+    emitted = [ex.generate(p, SamplingParams(max_new_tokens=max_new_tokens)).token_ids for p in prompts]
     return seen, emitted, used
 
 
@@ -90,6 +97,22 @@ def test_a_small_num_draft_still_drafts_the_whole_block(pair, tmp_path):
     assert_close_to_scale(full[0][1][:, :2], want[0][1], 1e-5, "first cycle")
 
 
+@pytest.mark.parametrize("runner", [False, True])
+def test_triton_block_path_drafts_what_the_plain_path_drafts(pair, tmp_path, runner):
+    """`use_triton`'s block path (one q/k/v product, the q/k-norm + RoPE + K/V-write kernel skipping stale padded
+    context rows, non-causal split-KV attention without a mask), eager and through the runner's static step
+    uncaptured (rows past C stale), on the CPU through Triton's interpreter (compiled on CUDA): every cycle's draft
+    logits equal the plain eager forward's (float32), outputs identical."""
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(prompts=PROMPTS[1:], max_new_tokens=8)  # the interpreter runs each kernel program in Python: few cycles
+    want, want_out, _ = _drafts(graph, device, runner=False, triton=False, **kw)
+    got, got_out, _ = _drafts(graph, device, runner=runner, triton=True, **kw)
+    assert len(got) >= 4 and got_out == want_out and [p for p, _ in got] == [p for p, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        assert_close_to_scale(g, w, tiny_model_bound(DRAFT_KW["num_hidden_layers"]), "draft logits")
+
+
 def test_runner_rejects_more_rows_than_its_width(pair, tmp_path):
     """Ingesting more rows than the block width is refused (the node splits long prompts first)."""
     graph = write_graph(tmp_path / "g.yaml", *pair)
@@ -106,11 +129,12 @@ def test_runner_rejects_more_rows_than_its_width(pair, tmp_path):
 def test_captured_graphs_draft_what_eager_drafts_on_cuda(pair, tmp_path):
     """On CUDA the captured graphs give the eager node's drafts and outputs (float32)."""
     graph = write_graph(tmp_path / "g.yaml", *pair)
-    want, want_out, _ = _drafts(graph, "cuda", runner=False)
-    got, got_out, used = _drafts(graph, "cuda", runner=True, capture=True)
-    assert used and got_out == want_out
-    for (_, g), (_, w) in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    want, want_out, _ = _drafts(graph, "cuda", runner=False, triton=False)
+    for triton in (False, True):  # the plain ops and the Triton block path (the default on CUDA)
+        got, got_out, used = _drafts(graph, "cuda", runner=True, capture=True, triton=triton)
+        assert used and got_out == want_out
+        for (_, g), (_, w) in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
