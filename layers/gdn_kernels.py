@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import _round
+from draftflow.layers.triton_kernels import round_like
 
 MAX_TOKENS = 32  # longer recorded windows (num_draft > 31) take the torch loop
 BLOCK_V = 16  # value columns per recurrence program: 8 programs per 128-wide head
@@ -57,7 +57,7 @@ def pow2(n: int) -> bool:
 
 @triton.jit
 def _silu(x, IS_BF16: tl.constexpr):
-    return _round(x / (1.0 + tl.exp(-x)), IS_BF16)
+    return round_like(x / (1.0 + tl.exp(-x)), IS_BF16)
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def _conv_silu(qkvz_ptr, tape_ptr, w_ptr, toks, src, chan, stride_tok, stride_c,
                               other=0.0)
         x = (from_tape + from_window).to(tl.float32)
         acc += tl.load(w_ptr + chan * (TAIL + 1) + j).to(tl.float32) * x
-    return _silu(_round(acc, IS_BF16), IS_BF16)
+    return _silu(round_like(acc, IS_BF16), IS_BF16)
 
 
 @triton.jit
@@ -254,9 +254,9 @@ def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, HV, stride_z_tok, stride
     dims = tl.arange(0, DV)[None, :]
     live = rows < N
     cell = (rows * HV + head) * DV + dims
-    x = _round(tl.load(x_ptr + cell, mask=live, other=0.0), IS_BF16)
-    h = _round(x * tl.math.rsqrt(tl.sum(x * x, 1) / DV + eps)[:, None], IS_BF16)
-    y = _round(tl.load(w_ptr + dims).to(tl.float32) * h, IS_BF16)
+    x = round_like(tl.load(x_ptr + cell, mask=live, other=0.0), IS_BF16)
+    h = round_like(x * tl.math.rsqrt(tl.sum(x * x, 1) / DV + eps)[:, None], IS_BF16)
+    y = round_like(tl.load(w_ptr + dims).to(tl.float32) * h, IS_BF16)
     z = tl.load(z_ptr + rows * stride_z_tok + (head // R) * stride_z_kh + (head % R) * DV + dims, mask=live,
                 other=0.0).to(tl.float32)
     tl.store(out_ptr + cell, (y * (z / (1.0 + tl.exp(-z)))).to(out_ptr.dtype.element_ty), mask=live)

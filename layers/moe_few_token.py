@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import _round, multiprocessors, pdl, pdl_enter
+from draftflow.layers.triton_kernels import round_like, multiprocessors, pdl, pdl_enter
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_MAX_PAIRS = 32
@@ -106,8 +106,8 @@ def _gate_up_small_kernel(
     rows = pair[:, None].to(tl.int64)
     P = N * K
     if SPLIT == 1:
-        gate = _round(acc_g, IS_BF16)
-        up = _round(acc_u, IS_BF16)
+        gate = round_like(acc_g, IS_BF16)
+        up = round_like(acc_u, IS_BF16)
     else:
         mine = part_ptr + (s * P + rows) * (2 * I) + cols[None, :]
         tl.store(mine, acc_g, mask=live)
@@ -122,11 +122,11 @@ def _gate_up_small_kernel(
             theirs = part_ptr + (sp * P + rows) * (2 * I) + cols[None, :]
             sum_g += tl.load(theirs, mask=live, other=0.0, cache_modifier=".cg")
             sum_u += tl.load(theirs + I, mask=live, other=0.0, cache_modifier=".cg")
-        gate = _round(sum_g, IS_BF16)
-        up = _round(sum_u, IS_BF16)
+        gate = round_like(sum_g, IS_BF16)
+        up = round_like(sum_u, IS_BF16)
         if done == SPLIT:
             tl.store(count_ptr + p * tl.num_programs(1) + cb, 0)  # ready for the next launch (or graph replay)
-    sg = _round(gate / (1.0 + tl.exp(-gate)), IS_BF16)
+    sg = round_like(gate / (1.0 + tl.exp(-gate)), IS_BF16)
     tl.store(act_ptr + rows * I + cols[None, :], (sg * up).to(act_ptr.dtype.element_ty), mask=live)
     tokens = tl.sum(uses, 0)
     counted = (tokens > 0) & (cb == 0) & (s == 0)
@@ -168,7 +168,7 @@ def _down_small_kernel(
     rows = pair[:, None].to(tl.int64)
     live = (uses[:, None] > 0) & col_live[None, :]
     weight = tl.load(route_w_ptr + pair, mask=uses > 0, other=0.0).to(tl.float32)  # [BLOCK_T]
-    z = _round(_round(acc, IS_BF16) * weight[:, None], IS_BF16)  # the expert row in the storage dtype, then weighted
+    z = round_like(round_like(acc, IS_BF16) * weight[:, None], IS_BF16)  # the expert row in the storage dtype, then weighted
     tl.store(z_ptr + rows * H + cols[None, :], z, mask=live)
     tl.debug_barrier()  # every thread's rows are written before the release below
     done = tl.atomic_add(count_ptr + cb, 1, sem="acq_rel") + 1

@@ -47,7 +47,7 @@ from draftflow.layers.moe_few_token import (  # noqa: F401 - re-exported: the fe
     SMALL_MAX_PAIRS, SMALL_MAX_TOKENS, counter_size, expert_weights, small_config, small_experts)
 from draftflow.layers.moe_router import (  # noqa: F401 - re-exported: the routing launches of the device path
     ROUTER_MAX_TOKENS, add_rms_route, route_topk, router_fits, router_topk)
-from draftflow.layers.triton_kernels import _round
+from draftflow.layers.triton_kernels import round_like
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FUSED_MAX_TOKENS = DEVICE_WINDOW_TOKENS  # token rows one program holds at once; longer windows loop over blocks
@@ -112,9 +112,9 @@ def _gate_up_kernel(
             else:
                 acc_g += tl.dot(xt, tl.trans(g))
                 acc_u += tl.dot(xt, tl.trans(u))
-        gate = _round(acc_g, IS_BF16)  # the gate/up product is stored in the model dtype, as F.linear does
-        up = _round(acc_u, IS_BF16)
-        s = _round(gate / (1.0 + tl.exp(-gate)), IS_BF16)
+        gate = round_like(acc_g, IS_BF16)  # the gate/up product is stored in the model dtype, as F.linear does
+        up = round_like(acc_u, IS_BF16)
+        s = round_like(gate / (1.0 + tl.exp(-gate)), IS_BF16)
         out = act_ptr + pair[:, None].to(tl.int64) * I + cols[None, :]
         tl.store(out, (s * up).to(act_ptr.dtype.element_ty), mask=uses[:, None] & col_live[None, :])
     # Column block 0 counts, per expert served: its tokens (eviction scores), and one hit or one miss.
@@ -170,7 +170,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constex
     for j in tl.static_range(K):
         weight = tl.load(w_ptr + t * K + j).to(tl.float32)
         y = tl.load(y_ptr + (t * K + j) * H + cols, mask=live, other=0.0).to(tl.float32)
-        acc += _round(y * weight, IS_BF16)
+        acc += round_like(y * weight, IS_BF16)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftflow.layers.triton_kernels import _round, add_rms_row, arrival_counters, pdl, pdl_enter
+from draftflow.layers.triton_kernels import round_like, add_rms_row, arrival_counters, pdl, pdl_enter
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def _router_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, normed_ptr, gw_ptr, logit_ptr,
         first = (hs * 0 + eb) == 0
         tl.store(sum_ptr + t * H + hs, s.to(sum_ptr.dtype.element_ty), mask=h_live & first)
         tl.store(normed_ptr + t * H + hs, xv.to(normed_ptr.dtype.element_ty), mask=h_live & first)
-        xv = _round(xv, IS_BF16)  # the router reads the row as stored (float32 and bf16 rows only)
+        xv = round_like(xv, IS_BF16)  # the router reads the row as stored (float32 and bf16 rows only)
         w = tl.load(gw_ptr + rows[:, None].to(tl.int64) * H + hs[None, :], mask=row_live[:, None] & h_live[None, :],
                     other=0.0).to(tl.float32)
         acc += w * xv[None, :]
@@ -117,7 +117,7 @@ def _router_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, normed_ptr, gw_ptr, logit_ptr,
             w = tl.load(gw_ptr + rows[:, None].to(tl.int64) * H + h[None, :],
                         mask=row_live[:, None] & h_live[None, :], other=0.0).to(tl.float32)
             acc += w * xv[None, :]
-    logits = _round(tl.sum(acc, 1), IS_BF16)  # [BLOCK_E]: the GEMV's output in the activation dtype
+    logits = round_like(tl.sum(acc, 1), IS_BF16)  # [BLOCK_E]: the GEMV's output in the activation dtype
     tl.store(logit_ptr + t * E + rows, logits, mask=row_live)
     tl.debug_barrier()  # every thread's logits are written before the release below
     done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel") + 1

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from draftflow.layers.quant_kernels import _INTERPRETED, _check, _meta, _part
-from draftflow.layers.triton_kernels import _round, multiprocessors
+from draftflow.layers.triton_kernels import round_like, multiprocessors
 
 DOT_MIN_ROWS = 5  # from this many rows the GEMV multiplies on tensor cores
 # (output features per program, warps) of the multiply-add path by rows (<= 2, 3-4) and of the tl.dot path
@@ -125,7 +125,7 @@ def _gemv_kernel(
                     elif NATIVE:  # 16-bit activations: the weight rounded as a dequantized 16-bit model holds it
                         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
                     else:  # (interpreter) the same products in float32
-                        acc += tl.dot(x.to(tl.float32), tl.trans(_round(w, True)), input_precision="ieee")
+                        acc += tl.dot(x.to(tl.float32), tl.trans(round_like(w, True)), input_precision="ieee")
                 else:
                     lanes_acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
     if not USE_DOT:
@@ -134,7 +134,7 @@ def _gemv_kernel(
     if DIRECT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + safe).to(tl.float32)[None, :]
-        acc = _round(acc, OUT_BF16)
+        acc = round_like(acc, OUT_BF16)
         tl.store(out_ptr + ms[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=store)
     else:
         tl.store(part_ptr + (split * M + ms[:, None]) * N + rows[None, :], acc, mask=store)
@@ -152,7 +152,7 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT: tl.const
         acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=live, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    acc = _round(acc, OUT_BF16)
+    acc = round_like(acc, OUT_BF16)
     tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 

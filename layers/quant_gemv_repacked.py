@@ -42,7 +42,7 @@ import triton.language as tl
 from draftflow.layers.quant_gemv import REDUCE_BLOCK, _reduce_kernel
 from draftflow.layers.quant_kernels import _INTERPRETED, _f32, matmul_with
 from draftflow.layers.quant_repack import RTYPES, SPEC, row_bytes, sections
-from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters, multiprocessors, pdl, pdl_enter
+from draftflow.layers.triton_kernels import COUNTERS, round_like, arrival_counters, multiprocessors, pdl, pdl_enter
 
 DOT_MIN_ROWS = 2  # the multiply-add path is written for one row
 _CODE = {name: i for i, name in enumerate(RTYPES)}  # Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
@@ -263,11 +263,11 @@ def _gemv_kernel(
                     if NATIVE:
                         acc_t += tl.dot(w.to(x.dtype), tl.trans(x))
                     else:  # (interpreter) the same products in float32
-                        acc_t += tl.dot(_round(w, True), tl.trans(x.to(tl.float32)), input_precision="ieee")
+                        acc_t += tl.dot(round_like(w, True), tl.trans(x.to(tl.float32)), input_precision="ieee")
                 elif NATIVE:
                     acc += tl.dot(x, tl.trans(w.to(x.dtype)))
                 else:
-                    acc += tl.dot(x.to(tl.float32), tl.trans(_round(w, True)), input_precision="ieee")
+                    acc += tl.dot(x.to(tl.float32), tl.trans(round_like(w, True)), input_precision="ieee")
         else:  # one row: everything in the weight tile's [BN, U, 4] shape, so no layout conversion
             t = tl.zeros([BLOCK_N, U, 4], dtype=tl.float32)
             xs = tl.zeros([U, 4], dtype=tl.float32)  # per lane: summed over the lanes once, after the loop
@@ -299,7 +299,7 @@ def _gemv_kernel(
     if DIRECT or FUSED:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + safe).to(tl.float32)[None, :]
-        acc = _round(acc, OUT_BF16)
+        acc = round_like(acc, OUT_BF16)
         tl.store(out_ptr + ms[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=store)
 
 
@@ -324,7 +324,7 @@ def _dequant_kernel(w_ptr, b8_ptr, h_ptr, out_ptr, N, K, row_words, goff, soff, 
     orow = out_ptr + safe.to(tl.int64)[:, None, None] * K
     for j in tl.static_range(32 // BITS):
         q = _plane(words, high, magic, j, BITS)
-        w = _round(q * s[:, :, None] + o[:, :, None], OUT_BF16)
+        w = round_like(q * s[:, :, None] + o[:, :, None], OUT_BF16)
         tl.store(orow + (units[None, :, None] * GW + 4 * j + wi[None, None, :]), w.to(out_ptr.dtype.element_ty),
                  mask=live)
 

@@ -30,7 +30,7 @@ import triton.language as tl
 from draftflow.layers.quant_gemv_repacked import MAGIC, _CODE, _plane, _step, _views, _widen
 from draftflow.layers.quant_kernels import _INTERPRETED
 from draftflow.layers.quant_repack import SPEC
-from draftflow.layers.triton_kernels import COUNTERS, _round, arrival_counters, multiprocessors, pdl, pdl_enter
+from draftflow.layers.triton_kernels import COUNTERS, round_like, arrival_counters, multiprocessors, pdl, pdl_enter
 
 ON = True  # `quant_gemv_repacked.gemv` sends one-row products of QTYPES here (benchmarks/gpu_quant.py times both)
 # The types of 8-bit codes (Q8_0, Q6_K, Q5_*) and Q4_K, where the H200 measured this kernel faster (docs/GGUF.md;
@@ -155,7 +155,7 @@ def _row_block(words, s, o, rows, last, ui, c, N, x0, x1, x2, x3, x4, x5, x6, x7
     if DIRECT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + at, mask=live, other=0.0).to(tl.float32)
-        tl.store(out_ptr + at, _round(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
+        tl.store(out_ptr + at, round_like(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
     else:
         tl.store(part_ptr + c * N + at, acc, mask=live)
 
@@ -242,7 +242,7 @@ def _gemv_rows_kernel(
                     acc += tl.load(part_ptr + cc * N + rows, mask=live, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     acc += tl.load(bias_ptr + rows, mask=live, other=0.0).to(tl.float32)
-                tl.store(out_ptr + rows, _round(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
+                tl.store(out_ptr + rows, round_like(acc, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
             tl.store(count_ptr + tl.program_id(0), 0)  # ready for the next launch (or graph replay)
 
 

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from draftflow.layers.quant_linear import LAYOUT, QTYPES
-from draftflow.layers.triton_kernels import _round
+from draftflow.layers.triton_kernels import round_like
 
 GEMV_MAX_ROWS = 64  # rows (tokens of all batch rows) that take the GEMV; more: dequantize + cuBLAS
 _CODE = {name: i for i, name in enumerate(QTYPES)}  # the kernels' QTYPE constant
@@ -147,7 +147,7 @@ def _dequant_kernel(
         b = tl.program_id(1) * UNROLL + u
         blk = wrow + b * BB
         for s in tl.static_range(NPART):
-            w = _round(_part(blk, s, lanes, QTYPE), OUT_BF16)
+            w = round_like(_part(blk, s, lanes, QTYPE), OUT_BF16)
             tl.store(orow + (b * BS + s * P) + lanes[None, :], w.to(out_ptr.dtype.element_ty), mask=live)
 
 

@@ -92,7 +92,7 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def _round(x, IS_BF16: tl.constexpr):
+def round_like(x, IS_BF16: tl.constexpr):  # public: a building block for kernels in plugins (conv_kernel.py)
     # The eager path stores every intermediate in the model dtype; round the same way (to
     # nearest, ties to even). Done on the bits: the compiler folds a float32 -> bf16 ->
     # float32 cast pair away, which would silently keep full precision.
@@ -113,7 +113,8 @@ def _qk_rope_write_kernel(
 ):
     # qkv: [B*W, (QH+2*KVH)*D]; cos, sin: [W, D] shared or [B, W, D] per row (stride_rope_b 0 or W*D);
     # start: [1] shared or [B] per row (stride_start 0 or 1); q: [B, KVH, G*(W-Q_FROM), D]; caches: [B, capacity, KVH, D]
-    # POSITIONS (B = 1, a DFlash block forward): start_ptr holds each row's position [W]; rows before Q_FROM are
+    # POSITIONS (B = 1, a DFlash block forward): cos_ptr holds inv_freq [D/2] (the tables are computed here),
+    # start_ptr each row's position [W]; rows before Q_FROM are
     # context rows (keys and values only, no query), written only below the block's first position (row Q_FROM's):
     # a stale padded context row at or past it lands on a block cell, which that block row writes
     pdl_enter(PDL)
@@ -146,15 +147,22 @@ def _qk_rope_write_kernel(
             else:
                 n1 = tl.load(k_norm_ptr + offs).to(tl.float32)
                 n2 = tl.load(k_norm_ptr + HALF + offs).to(tl.float32)
-            x1 = _round(n1 * _round(x1 * inv, IS_BF16), IS_BF16)
-            x2 = _round(n2 * _round(x2 * inv, IS_BF16), IS_BF16)
-        c1 = tl.load(cos_ptr + w * D + offs).to(tl.float32)
-        c2 = tl.load(cos_ptr + w * D + HALF + offs).to(tl.float32)
-        s1 = tl.load(sin_ptr + w * D + offs).to(tl.float32)
-        s2 = tl.load(sin_ptr + w * D + HALF + offs).to(tl.float32)
+            x1 = round_like(n1 * round_like(x1 * inv, IS_BF16), IS_BF16)
+            x2 = round_like(n2 * round_like(x2 * inv, IS_BF16), IS_BF16)
+        if POSITIONS:  # cos_ptr: inv_freq [D/2]; cos and sin of pos * inv_freq rounded as rope_tables rounds them
+            f = pos.to(tl.float32) * tl.load(cos_ptr + offs)
+            c1 = round_like(tl.cos(f), IS_BF16)
+            s1 = round_like(tl.sin(f), IS_BF16)
+            c2 = c1
+            s2 = s1
+        else:
+            c1 = tl.load(cos_ptr + w * D + offs).to(tl.float32)
+            c2 = tl.load(cos_ptr + w * D + HALF + offs).to(tl.float32)
+            s1 = tl.load(sin_ptr + w * D + offs).to(tl.float32)
+            s2 = tl.load(sin_ptr + w * D + HALF + offs).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
-        o1 = _round(_round(x1 * c1, IS_BF16) + _round(-x2 * s1, IS_BF16), IS_BF16)
-        o2 = _round(_round(x2 * c2, IS_BF16) + _round(x1 * s2, IS_BF16), IS_BF16)
+        o1 = round_like(round_like(x1 * c1, IS_BF16) + round_like(-x2 * s1, IS_BF16), IS_BF16)
+        o2 = round_like(round_like(x2 * c2, IS_BF16) + round_like(x1 * s2, IS_BF16), IS_BF16)
         if head < QH:  # query head h = kvh*G + g goes to row g*W' + w of its KV head's group (W' = W - Q_FROM)
             dst = q_ptr + ((b * KVH + head // G) * (G * (W - Q_FROM)) + (head % G) * (W - Q_FROM) + w - Q_FROM) * D
             live = lane + w >= Q_FROM
@@ -200,8 +208,7 @@ def qk_rope_write(
 def block_rope_write(
     qkv: torch.Tensor,  # [1, T, (QH + 2*KVH) * D]: C context rows, then the block's rows
     positions: torch.Tensor,  # [T] int64: each row's cache position (the block's consecutive)
-    cos: torch.Tensor,  # [T, D]
-    sin: torch.Tensor,  # [T, D]
+    inv_freq: torch.Tensor,  # [D/2] float32: RoPE's frequencies (cos and sin of position x inv_freq, as rope_tables)
     q_norm: torch.Tensor | None,  # [D] or None
     k_norm: torch.Tensor | None,  # [D]
     context_rows: int,  # C
@@ -210,15 +217,15 @@ def block_rope_write(
     num_heads: int,
     eps: float,
 ) -> torch.Tensor:  # q: [1, KVH, G*(T-C), D], the block rows' queries folded as decode_attention takes them
-    """`qk_rope_write` for a DFlash block forward (context rows and block rows in one launch): every row's k and v
-    normalised, rotated and written at its own position, except context rows at or past the block's first position
+    """`qk_rope_write` for a DFlash block forward (context rows and block rows in one launch, RoPE's tables
+    computed in the kernel): every row's k and v normalised, rotated and written at its own position, except context rows at or past the block's first position
     (stale rows padding a CUDA graph's fixed shape: the block writes those cells); queries for the block rows only."""
     _, t, _ = qkv.shape
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     q = torch.empty(1, kvh, (num_heads // kvh) * (t - context_rows), d, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
     _qk_rope_write_kernel[(t, num_heads + 2 * kvh)](
-        qkv, cos.contiguous(), sin.contiguous(), q_norm if has_norm else qkv, k_norm if has_norm else qkv, positions,
+        qkv, inv_freq, inv_freq, q_norm if has_norm else qkv, k_norm if has_norm else qkv, positions,
         q, k_cache, v_cache,
         qkv.stride(1), k_cache.stride(0), k_cache.stride(1), 0, 0, eps, t, context_rows,
         QH=num_heads, KVH=kvh, D=d, HAS_NORM=has_norm, IS_BF16=qkv.dtype == torch.bfloat16, POSITIONS=True,
@@ -355,13 +362,13 @@ def add_rms_row(x_ptr, d_ptr, w_ptr, cols, live, H, eps, HAS_DELTA: tl.constexpr
     s = tl.load(x_ptr + cols, mask=live, other=0.0).to(tl.float32)
     if HAS_DELTA:
         delta = tl.load(d_ptr + cols, mask=live, other=0.0)
-        s = _round(s + delta.to(tl.float32), IS_BF16)
+        s = round_like(s + delta.to(tl.float32), IS_BF16)
     h = s * tl.math.rsqrt(tl.sum(s * s, 0) / H + eps)
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
     if OFFSET:  # (h * (1 + w)) in float32, one rounding
         y = h * (1.0 + w)
     else:  # w * h.to(dtype): round h, then the product
-        y = _round(w * _round(h, IS_BF16), IS_BF16)
+        y = round_like(w * round_like(h, IS_BF16), IS_BF16)
     return s, y
 
 
@@ -407,7 +414,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_row, BLOCK: tl.constexpr, 
     live = cols < I
     g = tl.load(g_ptr + row * stride_row + cols, mask=live, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_row + cols, mask=live, other=0.0).to(tl.float32)
-    s = _round(g / (1.0 + tl.exp(-g)), IS_BF16)
+    s = round_like(g / (1.0 + tl.exp(-g)), IS_BF16)
     tl.store(out_ptr + row * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=live)
 
 

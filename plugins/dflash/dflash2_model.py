@@ -44,6 +44,7 @@ class GroupedDynamicConv(nn.Module):
         self.base_kernel = nn.Parameter(base)  # [2, K, H]
         self.kernel_projection = cpu_linear.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False,
                                                    dtype=dtype, device=device)
+        self.triton = False  # `DFlash2Model.use_triton`: one Triton kernel a convolution (conv_kernel.py)
 
     def prepare(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Side-0 convolution of the sublayer input; returns it and the side-1 kernel for `finish`."""
@@ -58,6 +59,10 @@ class GroupedDynamicConv(nn.Module):
 
     def _convolve(self, z: torch.Tensor, dynamic: torch.Tensor, side: int) -> torch.Tensor:
         # z: [1, W, H]; dynamic: [1, W, K, groups]; returns [1, W, H]
+        if self.triton:
+            from draftflow.plugins.dflash.conv_kernel import grouped_dynamic_conv
+
+            return grouped_dynamic_conv(z.contiguous(), dynamic, self.base_kernel[side], self.group_size)
         b, width, _ = z.shape
         grouped = z.view(b, width, self.num_groups, self.group_size)  # [1, W, g, G]
         base = self.base_kernel[side].view(self.kernel_size, self.num_groups, self.group_size).to(z.dtype)
@@ -92,6 +97,13 @@ class DFlash2Model(DFlashModel):
             layer.mlp_conv = GroupedDynamicConv(h, k, g, dtype, device)
         self.candidate_selector = CandidateSelector(cfg, dtype, device)
         self.requires_grad_(False)
+
+    def use_triton(self) -> bool:
+        """`DFlashModel.use_triton`, and each convolution as one Triton kernel."""
+        took = super().use_triton()
+        for layer in self.layers:
+            layer.attention_conv.triton = layer.mlp_conv.triton = took
+        return took
 
 
 def pair_scores(

@@ -127,7 +127,7 @@ class DFlashModel(nn.Module):
         through Triton's interpreter (tests); the DFlash nodes call it on CUDA."""
         cfg, d = self.config, self.config.head_dim
         full = all(not cfg.layer_is_causal(i) and cfg.layer_type(i) != "sliding_attention" for i in range(cfg.num_layers))
-        if not full or d & (d - 1):
+        if not full or d & (d - 1) or 2 * self.inv_freq.numel() != d:  # (no partial rotary in the kernel)
             return False
         fuse_projections(self)
         self.kernels = Kernels(split_attention=True, elementwise=True)
@@ -149,11 +149,11 @@ class DFlashModel(nn.Module):
         # With a block, the context and block rows share each layer's k/v projections: one [C+W', H] product
         # each instead of two small ones (on CUDA, fp32 [16, H] x [H, KVH*D] products hit a slow cuBLAS kernel).
         positions = window.context_pos if x is None else _joined(window.context_pos, window.block_pos)
-        cos, sin = self._rope(positions, ctx.dtype)  # [T, 1, D] or [B, T, 1, D]: the context rows, then the block's
-        cos_b, sin_b = cos[..., c:, :, :], sin[..., c:, :, :]
         if x is not None and kv is not None and self.kernels.split_attention is not None \
                 and window.context_pos.dim() == 1:
-            return self._forward_triton(ctx, x, window, kv, positions, cos, sin)
+            return self._forward_triton(ctx, x, window, kv, positions)
+        cos, sin = self._rope(positions, ctx.dtype)  # [T, 1, D] or [B, T, 1, D]: the context rows, then the block's
+        cos_b, sin_b = cos[..., c:, :, :], sin[..., c:, :, :]
         ctx_cells = blk_cells = None  # per-row positions ([B, T]): flat cell indices, computed once
         if kv is not None and window.context_pos.dim() == 2:
             ctx_cells, blk_cells = _flat_cells(window.context_pos, kv), _flat_cells(window.block_pos, kv)
@@ -179,22 +179,21 @@ class DFlashModel(nn.Module):
         return None if x is None else self.norm(x)
 
     def _forward_triton(self, ctx: torch.Tensor, x: torch.Tensor, window: Window, kv: torch.Tensor,
-                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                        positions: torch.Tensor) -> torch.Tensor:
         """`forward`'s block path after `use_triton` (B = 1): per layer one q/k/v product over the context and block
-        rows, one kernel for q/k-norm + RoPE + every K/V write, split-KV attention over the cache prefix (no mask:
+        rows, one kernel for q/k-norm + RoPE (its tables too) + every K/V write, split-KV attention over the cache prefix (no mask:
         the block sees every cell before its end), residual add + RMSNorm and the SiLU gate as Triton kernels. On
         the demo drafter's CUDA graph this is about a third of the plain path's hundred kernels."""
-        # ctx: [1, C, H]; x: [1, W, H]; positions: [C+W]; cos, sin: [C+W, 1, D]; returns [1, W, H]
+        # ctx: [1, C, H]; x: [1, W, H]; positions: [C+W]; returns [1, W, H]
         from draftflow.layers import triton_kernels as tk
 
-        k, c, t = self.kernels, ctx.shape[1], positions.shape[0]
-        cos, sin = cos.view(t, -1), sin.view(t, -1)
+        k, c = self.kernels, ctx.shape[1]
         u = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             attn, post = layer.self_attn, layer.post_attention_layernorm
             h, attn_state = _prepare(layer.attention_conv, u, window.width)
             qkv = fused_linear(torch.cat([ctx, h], 1), [attn.q_proj, attn.k_proj, attn.v_proj])  # [1, C+W, (QH+2KVH)D]
-            q = tk.block_rope_write(qkv, positions, cos, sin, attn.q_norm.weight, attn.k_norm.weight, c, kv[i, 0],
+            q = tk.block_rope_write(qkv, positions, self.inv_freq, attn.q_norm.weight, attn.k_norm.weight, c, kv[i, 0],
                                     kv[i, 1], attn.num_heads, attn.q_norm.eps)
             out = k.split_attention(q, kv[i, 0], kv[i, 1], window.block_pos[:1], h.shape[1], window.keys, causal=False)
             x, u = k.add_rms(x, _finish(layer.attention_conv, attn.o_proj(out), attn_state), post.weight, post.eps)

@@ -28,7 +28,7 @@ QH, KVH, D = 4, 2, 16
 def test_block_rope_write_writes_every_live_row_at_its_position(stale):
     """C context rows (the last `stale` of them padding a graph's fixed shape) and W block rows: k/v of every live
     row normed, rotated and written at its position, the block rows' queries folded (query head h = kvh*G + g at
-    row g*W + w); a context row at or past the block's first position is never written (in a graph it lands on a
+    row g*W + w; RoPE's tables computed in the kernel); a context row at or past the block's first position is never written (in a graph it lands on a
     block cell, which its block row writes in the same launch; here past the block, where a write would show)."""
     gen = torch.Generator().manual_seed(stale)
     c, w, start, capacity, eps = 6, 5, 20, 48, 1e-6
@@ -52,8 +52,8 @@ def test_block_rope_write_writes_every_live_row_at_its_position(stale):
     want_q = q[0, c:].view(w, KVH, QH // KVH, D).permute(1, 2, 0, 3).reshape(1, KVH, QH // KVH * w, D)
 
     got = caches.clone().to(DEVICE)
-    got_q = tk.block_rope_write(qkv.to(DEVICE), positions.to(DEVICE), cos[:, 0].to(DEVICE), sin[:, 0].to(DEVICE),
-                                q_norm.to(DEVICE), k_norm.to(DEVICE), c, got[0], got[1], QH, eps)
+    got_q = tk.block_rope_write(qkv.to(DEVICE), positions.to(DEVICE), inv_freq.to(DEVICE), q_norm.to(DEVICE),
+                                k_norm.to(DEVICE), c, got[0], got[1], QH, eps)
     torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_q.cpu(), want_q, atol=1e-6, rtol=1e-6)
 

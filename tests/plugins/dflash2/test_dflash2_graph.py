@@ -160,38 +160,56 @@ def test_shipped_graphs_run_losslessly_with_local_models(random_pair, registry, 
     assert greedy_gate(spec, prompts=[[3, 4, 5]], max_new_tokens=8, registry=registry).drafted > 0
 
 
-def test_static_proposal_step_runs_the_dynamic_convolutions(pair, tmp_path, registry):
-    """DFlash2 through the CUDA-graph step (run uncaptured on the CPU) gives the eager node's candidates."""
+def _candidate_scores(graph, registry, static: bool, triton: bool = False, max_new_tokens: int = 16):
+    """(tokens, each proposal's candidate scores, the runner) of one request, eager or through the CUDA-graph step
+    run uncaptured; `triton`: the block path of `use_triton` (on the CPU through Triton's interpreter)."""
     from draftflow.plugins.dflash.graphs import DraftRunner
 
+    ex = Executor(build_plan(load_graph(graph), registry))
+    node = ex.nodes["drafter"]
+    if triton:
+        assert node.model.use_triton()
+    if static:
+        def make(node=node):
+            if node.runner is None:
+                node.runner = DraftRunner(node.model, node.cache, node.embed, node.head, BLOCK, capture=False)
+            return node.runner
+        node._runner = make
+    else:
+        node._runner = lambda: None
+    scores = []
+    original = node.step
+
+    def spy(req, inputs):
+        out = original(req, inputs)
+        scores.append(out["candidates"].scores.clone())
+        return out
+
+    node.step = spy
+    tokens = ex.generate([3, 4, 5, 6, 7], SamplingParams(max_new_tokens=max_new_tokens)).token_ids
+    return tokens, scores, node.runner
+
+
+def test_static_proposal_step_runs_the_dynamic_convolutions(pair, tmp_path, registry):
+    """DFlash2 through the CUDA-graph step (run uncaptured on the CPU) gives the eager node's candidates."""
     graph = write_graph(tmp_path / "g.yaml", *pair)
-    runs = []
-    for static in (False, True):
-        ex = Executor(build_plan(load_graph(graph), registry))
-        node = ex.nodes["drafter"]
-        if static:
-            def make(node=node):
-                if node.runner is None:
-                    node.runner = DraftRunner(node.model, node.cache, node.embed, node.head, BLOCK, capture=False)
-                return node.runner
-            node._runner = make
-        else:
-            node._runner = lambda: None
-        scores = []
-        original = node.step
-
-        def spy(req, inputs, original=original, scores=scores):
-            out = original(req, inputs)
-            scores.append(out["candidates"].scores.clone())
-            return out
-
-        node.step = spy
-        tokens = ex.generate([3, 4, 5, 6, 7], SamplingParams(max_new_tokens=16)).token_ids
-        runs.append((tokens, scores, node.runner))
-    (want, want_scores, _), (got, got_scores, runner) = runs
+    want, want_scores, _ = _candidate_scores(graph, registry, static=False)
+    got, got_scores, runner = _candidate_scores(graph, registry, static=True)
     assert runner is not None and got == want
     for g, w in zip(got_scores, want_scores):
         assert_close_to_scale(g, w, tiny_model_bound(4), "candidate scores")  # the 4-layer reference drafter
+
+
+def test_triton_block_path_runs_the_dynamic_convolutions(pair, tmp_path, registry):
+    """`use_triton` on DFlash2 (each convolution one kernel, plugins/dflash/conv_kernel.py; the block's other Triton
+    pieces) through the static step gives the plain eager node's candidates (float32; CPU: Triton's interpreter)."""
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    want, want_scores, _ = _candidate_scores(graph, registry, static=False, max_new_tokens=8)
+    got, got_scores, runner = _candidate_scores(graph, registry, static=True, triton=True, max_new_tokens=8)
+    assert all(conv.triton for layer in runner.model.layers for conv in (layer.attention_conv, layer.mlp_conv))
+    assert got == want and len(got_scores) == len(want_scores) >= 2
+    for g, w in zip(got_scores, want_scores):
+        assert_close_to_scale(g, w, tiny_model_bound(4), "candidate scores")
 
 
 def test_target_params_hook_answers_the_backbone_tap_layers(random_pair, registry):
