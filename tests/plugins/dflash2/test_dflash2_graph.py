@@ -162,10 +162,12 @@ def test_shipped_graphs_run_losslessly_with_local_models(random_pair, registry, 
 
 def _candidate_scores(graph, registry, static: bool, triton: bool = False, max_new_tokens: int = 16):
     """(tokens, each proposal's candidate scores, the runner) of one request, eager or through the CUDA-graph step
-    run uncaptured; `triton`: the block path of `use_triton` (on the CPU through Triton's interpreter)."""
+    run uncaptured; `triton`: the block path of `use_triton` (on the CPU through Triton's interpreter; with CUDA the
+    graph runs there, the plain ops unless `triton`)."""
     from draftflow.plugins.dflash.graphs import DraftRunner
 
-    ex = Executor(build_plan(load_graph(graph), registry))
+    overrides = ["device=cuda", f"nodes.drafter.params.triton={str(triton).lower()}"] if torch.cuda.is_available() else []
+    ex = Executor(build_plan(load_graph(graph, overrides=overrides), registry))
     node = ex.nodes["drafter"]
     if triton:
         assert node.model.use_triton()
