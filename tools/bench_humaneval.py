@@ -43,11 +43,13 @@ DEMO = Path(__file__).resolve().parent.parent / "graphs" / "models" / "demo"
 
 
 def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32", policy: bool = False,
-                 target_path: Path | None = None, drafter_dtype: str = "graph", cut: float = 0.0) -> dict[str, dict]:
+                 target_path: Path | None = None, drafter_dtype: str = "graph", cut: float = 0.0,
+                 triton: bool = True) -> dict[str, dict]:
     """Graphs (as YAML-shaped dicts) of each drafter on the demo target (DFlash2 rows when `demo/dflash2` exists);
     ``target_path``: another checkpoint of the same target in its place (e.g. a quantized GGUF of it);
     ``drafter_dtype``: the DFlash and DFlash2 nodes' `dtype` param; ``cut`` > 0: also the DFlash and DFlash2 rows with
-    the drafter node's `min_path_prob` at that value (named "..., cut P")."""
+    the drafter node's `min_path_prob` at that value (named "..., cut P"); ``triton``: the DFlash and DFlash2 nodes'
+    `triton` param (their block path's Triton kernels on CUDA)."""
     from draftflow.plugins.dflash.loader import read_artifact
 
     art = read_artifact(demo / "dflash")
@@ -55,7 +57,7 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
     last = art.config.num_target_layers - 1
     target = {"plugin": "target", "params": {"path": str(target_path or demo / "target"), "tap_layers": taps}}
     verify = {"plugin": "verifier"}
-    dflash = {"plugin": "dflash", "params": {"path": str(demo / "dflash"), "dtype": drafter_dtype}}
+    dflash = {"plugin": "dflash", "params": {"path": str(demo / "dflash"), "dtype": drafter_dtype, "triton": triton}}
     mtp = {"plugin": "mtp", "params": {"path": str(demo / "mtp")}}
     lookup = {"plugin": "prompt-lookup"}
 
@@ -88,7 +90,8 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
         from draftflow.plugins.dflash.dflash2_loader import read_config
 
         taps = read_config(demo / "dflash2").base.target_layer_ids
-        dflash2 = {"plugin": "dflash2", "params": {"path": str(demo / "dflash2"), "dtype": drafter_dtype}}
+        dflash2 = {"plugin": "dflash2", "params": {"path": str(demo / "dflash2"), "dtype": drafter_dtype,
+                                                   "triton": triton}}
         for name, selector in (("DFlash2", "dflash2-selector"), ("DFlash2 top-1", "top1-selector")):
             configs[name] = graph(name.lower().replace(" ", "-"), {"dflash2": dflash2, "selector": {"plugin": selector}},
                                   taps=taps)
@@ -191,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--drafter-dtype", default="graph", choices=("graph", "float32", "bfloat16", "float16"),
                    help="the DFlash/DFlash2 nodes' own dtype (their `dtype` param; graph: --dtype)")
+    p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=True,
+                   help="the DFlash/DFlash2 nodes' `triton` param: on CUDA their block path's Triton kernels "
+                   "(--no-triton: the plain ops, the A/B of docs/BENCHMARKS.md 2026-12-07)")
     p.add_argument("--demo", default=str(DEMO), help="folder with target/, dflash/, mtp/ and optionally dflash2/")
     p.add_argument("--target", help="the target checkpoint to draft for instead of DEMO/target: the same model in "
                    "another format, e.g. a quantized GGUF of it (convert_gguf --outtype q4_k_m)")
@@ -220,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     demo = Path(a.demo)
     configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy, Path(a.target) if a.target else None,
-                           a.drafter_dtype, a.cut)
+                           a.drafter_dtype, a.cut, a.triton)
     try:
         configs = select_configs(configs, a.configs)
         sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}

@@ -172,6 +172,20 @@ def test_cut_adds_the_dflash2_rows_with_min_path_prob(tmp_path):
     assert cut["drafted"] < 15 * cut["cycles"] and whole["drafted"] > cut["drafted"], (whole, cut)
 
 
+def test_no_triton_sets_the_block_drafters_param():
+    """--no-triton (demo_configs' triton=False): every DFlash and DFlash2 node of every row gets `triton: false`; by
+    default they get true, and the graphs still build (the param is declared on both nodes)."""
+    from helpers import ROOT
+
+    shipped = ROOT / "graphs" / "models" / "demo"
+    for triton in (True, False):
+        configs = demo_configs("cpu", 15, shipped, triton=triton)
+        drafters = [n for g in configs.values() for n in g["nodes"].values() if n["plugin"] in ("dflash", "dflash2")]
+        assert len(drafters) >= 6 and all(n["params"]["triton"] is triton for n in drafters)
+    assert main(["--demo", str(shipped), "--no-triton", "--configs", "target only", "DFlash", "--limit", "1",
+                 "--max-new-tokens", "8", "--temperatures", "0"]) == 0
+
+
 def test_a_negative_cut_is_one_line_and_exit_2(capsys):
     """--cut below 0 would add no rows silently: one `error:` line instead, before any run."""
     assert main(["--demo", str(DEMO), "--cut", "-1", "--limit", "1"]) == 2
