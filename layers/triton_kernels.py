@@ -112,7 +112,8 @@ def _qk_rope_write_kernel(
     PDL: tl.constexpr = False, POSITIONS: tl.constexpr = False,
 ):
     # qkv: [B*W, (QH+2*KVH)*D]; cos, sin: [W, D] shared or [B, W, D] per row (stride_rope_b 0 or W*D);
-    # start: [1] shared or [B] per row (stride_start 0 or 1); q: [B, KVH, G*(W-Q_FROM), D]; caches: [B, capacity, KVH, D]
+    # start: [1] shared or [B] per row (stride_start 0 or 1); q: [B, KVH, G*(W-Q_FROM), D];
+    # caches: [B, capacity, KVH, D]
     # POSITIONS (B = 1, a DFlash block forward): cos_ptr holds inv_freq [D/2] (the tables are computed here),
     # start_ptr each row's position [W]; rows before Q_FROM are
     # context rows (keys and values only, no query), written only below the block's first position (row Q_FROM's):
@@ -218,8 +219,9 @@ def block_rope_write(
     eps: float,
 ) -> torch.Tensor:  # q: [1, KVH, G*(T-C), D], the block rows' queries folded as decode_attention takes them
     """`qk_rope_write` for a DFlash block forward (context rows and block rows in one launch, RoPE's tables
-    computed in the kernel): every row's k and v normalised, rotated and written at its own position, except context rows at or past the block's first position
-    (stale rows padding a CUDA graph's fixed shape: the block writes those cells); queries for the block rows only."""
+    computed in the kernel): every row's k and v normalised, rotated and written at its own position, except
+    context rows at or past the block's first position (stale rows padding a CUDA graph's fixed shape: the block
+    writes those cells); queries for the block rows only."""
     _, t, _ = qkv.shape
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     q = torch.empty(1, kvh, (num_heads // kvh) * (t - context_rows), d, dtype=qkv.dtype, device=qkv.device)

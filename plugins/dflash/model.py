@@ -126,7 +126,8 @@ class DFlashModel(nn.Module):
         gate/up weights go back to back (`fuse_projections`). Returns whether it took. On the CPU the kernels run
         through Triton's interpreter (tests); the DFlash nodes call it on CUDA."""
         cfg, d = self.config, self.config.head_dim
-        full = all(not cfg.layer_is_causal(i) and cfg.layer_type(i) != "sliding_attention" for i in range(cfg.num_layers))
+        full = all(not cfg.layer_is_causal(i) and cfg.layer_type(i) != "sliding_attention"
+                   for i in range(cfg.num_layers))
         if not full or d & (d - 1) or 2 * self.inv_freq.numel() != d:  # (no partial rotary in the kernel)
             return False
         fuse_projections(self)
@@ -150,7 +151,7 @@ class DFlashModel(nn.Module):
         # each instead of two small ones (on CUDA, fp32 [16, H] x [H, KVH*D] products hit a slow cuBLAS kernel).
         positions = window.context_pos if x is None else _joined(window.context_pos, window.block_pos)
         if x is not None and kv is not None and self.kernels.split_attention is not None \
-                and window.context_pos.dim() == 1:
+                and window.context_pos.dim() == 1 and kv.shape[2] == 1:
             return self._forward_triton(ctx, x, window, kv, positions)
         cos, sin = self._rope(positions, ctx.dtype)  # [T, 1, D] or [B, T, 1, D]: the context rows, then the block's
         cos_b, sin_b = cos[..., c:, :, :], sin[..., c:, :, :]
@@ -181,9 +182,10 @@ class DFlashModel(nn.Module):
     def _forward_triton(self, ctx: torch.Tensor, x: torch.Tensor, window: Window, kv: torch.Tensor,
                         positions: torch.Tensor) -> torch.Tensor:
         """`forward`'s block path after `use_triton` (B = 1): per layer one q/k/v product over the context and block
-        rows, one kernel for q/k-norm + RoPE (its tables too) + every K/V write, split-KV attention over the cache prefix (no mask:
-        the block sees every cell before its end), residual add + RMSNorm and the SiLU gate as Triton kernels. On
-        the demo drafter's CUDA graph this is about a third of the plain path's hundred kernels."""
+        rows, one kernel for q/k-norm + RoPE (its tables too) + every K/V write, split-KV attention over the cache
+        prefix (no mask: the block sees every cell before its end), residual add + RMSNorm and the SiLU gate as
+        Triton kernels. About eleven launches a layer where the plain ops take about thirty (counted from the
+        code; docs/DFLASH.md)."""
         # ctx: [1, C, H]; x: [1, W, H]; positions: [C+W]; returns [1, W, H]
         from draftflow.layers import triton_kernels as tk
 

@@ -28,8 +28,9 @@ QH, KVH, D = 4, 2, 16
 def test_block_rope_write_writes_every_live_row_at_its_position(stale):
     """C context rows (the last `stale` of them padding a graph's fixed shape) and W block rows: k/v of every live
     row normed, rotated and written at its position, the block rows' queries folded (query head h = kvh*G + g at
-    row g*W + w; RoPE's tables computed in the kernel); a context row at or past the block's first position is never written (in a graph it lands on a
-    block cell, which its block row writes in the same launch; here past the block, where a write would show)."""
+    row g*W + w; RoPE's tables computed in the kernel); a context row at or past the block's first position is
+    never written (in a graph it lands on a block cell, which its block row writes in the same launch; here past
+    the block, where a write would show)."""
     gen = torch.Generator().manual_seed(stale)
     c, w, start, capacity, eps = 6, 5, 20, 48, 1e-6
     qkv = torch.randn(1, c + w, (QH + 2 * KVH) * D, generator=gen)

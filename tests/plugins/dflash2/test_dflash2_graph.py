@@ -166,7 +166,8 @@ def _candidate_scores(graph, registry, static: bool, triton: bool = False, max_n
     graph runs there, the plain ops unless `triton`)."""
     from draftflow.plugins.dflash.graphs import DraftRunner
 
-    overrides = ["device=cuda", f"nodes.drafter.params.triton={str(triton).lower()}"] if torch.cuda.is_available() else []
+    overrides = ["device=cuda", f"nodes.drafter.params.triton={str(triton).lower()}"] \
+        if torch.cuda.is_available() else []
     ex = Executor(build_plan(load_graph(graph, overrides=overrides), registry))
     node = ex.nodes["drafter"]
     if triton:
