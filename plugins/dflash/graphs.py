@@ -34,9 +34,23 @@ from draftflow.layers.graphs import GraphCache
 from draftflow.layers.kv_cache import KVCache
 from draftflow.plugins.dflash.model import DFlashModel, draft_logits
 
-# Buckets `warmup` captures per width: the first two cover prompt + output up to 2 * MIN_BUCKET
-# tokens (512 by default); longer requests capture their next bucket once, on first use.
-WARMUP_BUCKETS = 2
+# Buckets `warmup` captures: every one up to this many cells (or the cache's capacity), as the target node's warm-up
+# captures its windows' buckets up to 2048 tokens; a longer request captures its next bucket once, on first use. With
+# two buckets only (before 2026-12-07) a prompt past 512 tokens captured mid-request, and on a machine's first run
+# Triton compiled the block path's kernels for that bucket inside the timed request.
+WARMUP_TOKENS = 2048
+
+
+def warmup_buckets(width: int, capacity: int, min_bucket: int, limit: int = WARMUP_TOKENS) -> list[int]:
+    """The KV buckets a proposal of `width` rows can attend, up to `limit` cells (at least the first)."""
+    buckets, end = [], width
+    while True:
+        bucket = bucket_for(end, capacity, min_bucket)
+        if bucket not in buckets:
+            buckets.append(bucket)
+        if bucket >= min(limit, capacity):
+            return buckets
+        end = bucket + 1
 
 
 class DraftRunner:
@@ -88,7 +102,7 @@ class DraftRunner:
         return self.hidden[:, :w - 1], self.logits[:, :w - 1]
 
     def warmup(self) -> list[tuple[int, int]]:
-        """Capture the full-width graphs of the first `WARMUP_BUCKETS` buckets now (at load), not in a request.
+        """Capture the full-width graphs of the buckets up to `WARMUP_TOKENS` now (at load), not in a request.
 
         Capture runs the step on the static inputs as they are (zeros): it writes draft-cache
         cells past the committed length only, which every request rewrites before reading.
@@ -96,12 +110,7 @@ class DraftRunner:
         """
         if not self.capture:
             return []
-        keys, end = [], self.width
-        for _ in range(WARMUP_BUCKETS):
-            bucket = bucket_for(end, self.cache.capacity, self.min_bucket)
-            if (1, self.width, bucket) not in keys:
-                keys.append((1, self.width, bucket))
-            end = bucket + 1
+        keys = [(1, self.width, b) for b in warmup_buckets(self.width, self.cache.capacity, self.min_bucket)]
         for key in keys:
             self.graphs.prepare(*key)
         return keys

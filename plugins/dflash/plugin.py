@@ -342,7 +342,7 @@ class DFlash(RowProposals, Node):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Capture the full-width B = 1 proposal graphs of the first KV buckets (graphs.WARMUP_BUCKETS), so the first
+        """Capture the full-width B = 1 proposal graphs of the KV buckets up to graphs.WARMUP_TOKENS cells, so the first
         request captures nothing; batched graphs are captured at their first use. Eager: one block in slot 0 (never
         committed; the next prefill resets the slot), which on the CPU packs the weights for oneDNN, then the
         kernels of every context length a cycle brings."""

@@ -149,3 +149,16 @@ def test_warmup_captures_the_full_width_graphs_a_request_uses(pair, tmp_path):
     assert before and all(b == 1 and w == BLOCK for b, w, _ in before), before
     ex.generate(PROMPTS[2], SamplingParams(max_new_tokens=20))
     assert all(w < BLOCK for _, w, _ in set(runner.graphs) - before), set(runner.graphs) - before  # only the short tail
+
+
+def test_warmup_buckets_reach_the_targets_warmup_tokens():
+    """The proposal graphs warm-up captures: every KV bucket a block can attend up to WARMUP_TOKENS cells (as the target
+    node captures its windows' up to 2048 tokens), at least the first, never past the cache's capacity."""
+    from draftflow.plugins.dflash.graphs import WARMUP_TOKENS, warmup_buckets
+
+    assert WARMUP_TOKENS == 2048
+    assert warmup_buckets(16, 40_000, 256) == [256, 512, 1024, 2048]
+    assert warmup_buckets(16, 1040, 256) == [256, 512, 1024, 1040]  # the demo drafter's cache: its last is capped
+    assert warmup_buckets(16, 300, 256) == [256, 300]
+    assert warmup_buckets(16, 100, 256) == [100]
+    assert warmup_buckets(16, 40_000, 16, limit=64) == [16, 32, 64]
