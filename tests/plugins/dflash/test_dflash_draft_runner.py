@@ -105,10 +105,10 @@ def test_triton_block_path_drafts_what_the_plain_path_drafts(pair, tmp_path, run
     logits equal the plain eager forward's (float32), outputs identical."""
     graph = write_graph(tmp_path / "g.yaml", *pair)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(prompts=PROMPTS[1:], max_new_tokens=8)  # the interpreter runs each kernel program in Python: few cycles
+    kw = dict(prompts=PROMPTS[2:], max_new_tokens=8)  # the interpreter runs each kernel program in Python: few cycles
     want, want_out, _ = _drafts(graph, device, runner=False, triton=False, **kw)
     got, got_out, _ = _drafts(graph, device, runner=runner, triton=True, **kw)
-    assert len(got) >= 4 and got_out == want_out and [p for p, _ in got] == [p for p, _ in want]
+    assert len(got) >= 3 and got_out == want_out and [p for p, _ in got] == [p for p, _ in want]
     for (_, g), (_, w) in zip(got, want):
         assert_close_to_scale(g, w, tiny_model_bound(DRAFT_KW["num_hidden_layers"]), "draft logits")
 
