@@ -19,3 +19,20 @@ def test_generate_shortcut_matches_target_only(tmp_path):
     a, b = json.loads(spec.stdout), json.loads(ref.stdout)
     assert a["token_ids"] == b["token_ids"]
     assert a["stats"]["drafted"] > 0 and a["stats"]["accepted"] > 0
+
+
+def test_a_triton_param_that_is_not_a_bool_is_one_line_and_nothing_runs(tmp_path):
+    """`triton: maybe` on a dflash node: `draftflow check` and `generate` exit 1 with one error line naming the node,
+    the param and the fix, no traceback, and write no trace file."""
+    from helpers import ROOT
+
+    graph = ROOT / "graphs" / "demo-dflash.yaml"
+    bad = "nodes.drafter.params.triton=maybe"
+    for args in (["check", graph, "--set", bad],
+                 ["generate", "--graph", graph, "--set", bad, "--prompt", "def f(x):", "--trace", tmp_path / "t.jsonl"]):
+        r = run_cli(args, cwd=tmp_path)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        lines = [line for line in r.stderr.splitlines() if "triton" in line]
+        assert len(lines) == 1 and "node 'drafter' (dflash)" in lines[0] and "expected true or false" in lines[0] \
+            and "fix:" in lines[0], r.stderr
+    assert not (tmp_path / "t.jsonl").exists()
