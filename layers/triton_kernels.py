@@ -130,13 +130,13 @@ def _qk_rope_write_kernel(
     src = qkv_ptr + row * stride_row + head * D
     x1 = tl.load(src + offs).to(tl.float32)
     x2 = tl.load(src + HALF + offs).to(tl.float32)
-    lane = offs * 0  # the stores' masks are vectors (the interpreter takes no scalar mask)
+    lane = offs * 0  # POSITIONS' store masks are vectors (the interpreter takes no scalar mask)
+    live = lane == 0
     if POSITIONS:
         pos = tl.load(start_ptr + w)
         live = (lane + w >= Q_FROM) | (lane + pos < tl.load(start_ptr + Q_FROM))
     else:
         pos = tl.load(start_ptr + b * stride_start) + w
-        live = lane == 0
     cos_ptr += b * stride_rope_b
     sin_ptr += b * stride_rope_b
     if head < QH + KVH:
@@ -173,8 +173,12 @@ def _qk_rope_write_kernel(
         o1 = x1
         o2 = x2
         dst = v_cache_ptr + b * stride_cache_b + pos * stride_cache_pos + (head - QH - KVH) * D
-    tl.store(dst + offs, o1.to(dtype), mask=live)
-    tl.store(dst + HALF + offs, o2.to(dtype), mask=live)
+    if POSITIONS:
+        tl.store(dst + offs, o1.to(dtype), mask=live)
+        tl.store(dst + HALF + offs, o2.to(dtype), mask=live)
+    else:  # the target's window: every store, unmasked as before
+        tl.store(dst + offs, o1.to(dtype))
+        tl.store(dst + HALF + offs, o2.to(dtype))
 
 
 def qk_rope_write(
