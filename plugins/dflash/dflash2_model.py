@@ -137,13 +137,13 @@ def walk(
     """Walk the draft rows left to right, each row's predecessor being the previous row's pick.
 
     The scores of every (predecessor, candidate) pair come from one product (`pair_scores`).
-    At T = 0 the picks are composed on the device (`_greedy_walk`: one argmax and log2(K)
+    At T = 0 the picks are composed on the device (`greedy_walk`: one argmax and log2(K)
     gathers, no host read). At T > 0 each row draws on the device from softmax(score / T),
     in row order, with `generator`.
     """
     scores = pair_scores(selector, ids, unary, hidden, anchor)  # [B, K, M, M]
     if temperature <= 0:
-        return _greedy_walk(scores, ids), None
+        return greedy_walk(scores, ids), None
     b, k, m = ids.shape
     rows = torch.arange(b, device=ids.device)
     pick = torch.zeros(b, dtype=torch.long, device=ids.device)  # row 1: every predecessor row is the anchor's
@@ -156,7 +156,7 @@ def walk(
     return torch.stack(drafts, dim=1), torch.stack(q_rows, dim=1)
 
 
-def _greedy_walk(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def greedy_walk(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Greedy picks over `pair_scores` on the device, with no host read (argmax: the first of equal scores).
 
     Row n's pick is best[n, pick of row n-1], best[n, p] = argmax_m scores[n, p, m]: a chain of

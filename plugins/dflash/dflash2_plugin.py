@@ -13,7 +13,9 @@ The selector's weights are in the dflash2 artifact. They travel with the candida
 drafter emits `DFlash2Candidates`, a `Candidates` that also references the drafter's
 `CandidateSelector` module (no copy), so a selector needs no name lookup and works with
 whichever dflash2 node feeds it. The `dflash2-source` check rejects graphs where another
-kind of node feeds `dflash2-selector`.
+kind of node feeds `dflash2-selector`. Where the drafter replays its proposals as CUDA
+graphs, its candidates also carry the greedy walk as CUDA graphs (`selector_graphs`),
+which `dflash2-selector` replays for a lone greedy request.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
 from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, confident_width, shortcut_hooks,
                                              slot_width, tap_layer_check, trained_for)
 from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
+from draftflow.plugins.dflash.selector_graphs import GreedyWalkGraphs
 
 PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safetensors) or .gguf file"),
           *DFLASH_PARAMS[1:])  # cuda_graphs, triton, dtype, defer_min, min_path_prob (the top candidate's probability)
@@ -58,9 +61,11 @@ PARAMS = (ParamSpec("path", "path", help="DFlash2 directory (config.json + safet
 
 @attrs.define
 class DFlash2Candidates(Candidates):
-    """`Candidates` plus the producing drafter's selector weights (a module reference)."""
+    """`Candidates` plus the producing drafter's selector weights (a module reference) and, on CUDA with graphs, its
+    greedy walk as CUDA graphs (`selector_graphs.GreedyWalkGraphs`, B = 1)."""
 
     selector: CandidateSelector | None = None
+    walk_graphs: GreedyWalkGraphs | None = None
 
 
 def manifest(params, env) -> Manifest:
@@ -103,6 +108,7 @@ class DFlash2(DFlash):
         self.compiler = None  # DFlash's grammar compiler, never built here (GRAMMAR_DRAFTS)
         self._init_slots(ctx.buffers["dflash2_kv"])  # [L, 2, max_batch, kv_tokens + W, KVH, D]
         self.min_path_prob = float(ctx.params["min_path_prob"])
+        self.walk_graphs = None  # `_walk_graphs`: built with the proposal runner
         self._bind()
 
     def _bind(self) -> None:
@@ -111,6 +117,24 @@ class DFlash2(DFlash):
             raise ModelFormatError(f"node '{self.name}' (dflash2): the selector's codebooks have "
                                    f"{self.config2.vocab_size} rows but the target's vocabulary has "
                                    f"{self.embed.shape[0]}; use the drafter trained for this target")
+
+    def _walk_graphs(self) -> GreedyWalkGraphs | None:
+        """The selector's greedy walk of one request as CUDA graphs, wherever the proposals replay graphs."""
+        runner = self._runner()
+        if self.walk_graphs is None and runner is not None:
+            cfg = self.config2
+            rows = min(self.ctx.num_draft, cfg.base.block_size - 1)
+            self.walk_graphs = GreedyWalkGraphs(self.model.candidate_selector, rows, cfg.selector_top_k,
+                                                cfg.base.hidden_size, self.dtype, self.ctx.device,
+                                                capture=runner.capture)
+        return self.walk_graphs
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """DFlash's warm-up, then every row count's greedy-walk graph."""
+        super().warmup()
+        if self._walk_graphs() is not None:
+            self.walk_graphs.warmup()
 
     def _warm_eager(self) -> torch.Tensor:
         hidden = super()._warm_eager()
@@ -136,7 +160,7 @@ class DFlash2(DFlash):
         if self.min_path_prob > 0:
             k = confident_width(logits, scores[..., 0], self.min_path_prob)
             ids, scores, hidden = ids[:, :k], scores[:, :k], hidden[:, :k]
-        return {"candidates": DFlash2Candidates(ids, scores, hidden, selector)}
+        return {"candidates": DFlash2Candidates(ids, scores, hidden, selector, self._walk_graphs())}
 
 
 def selector_manifest(params, env) -> Manifest:
@@ -182,6 +206,9 @@ class DFlash2Selector(Node):
         device = cand.ids.device
         if n == 1:
             req = batch.rows[0]
+            walk_graphs = getattr(cand, "walk_graphs", None)
+            if walk_graphs is not None and req.sampling.temperature <= 0:
+                return {"proposal": Proposal(walk_graphs(cand.ids, cand.scores, cand.hidden, req.anchor))}
             anchor = torch.full((1,), req.anchor, dtype=torch.long, device=device)
             drafts, q = walk(selector, cand.ids, cand.scores, cand.hidden, anchor, req.sampling.temperature,
                              req.generator)

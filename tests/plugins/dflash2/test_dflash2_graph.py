@@ -161,7 +161,7 @@ def test_shipped_graphs_run_losslessly_with_local_models(random_pair, registry, 
 
 
 def _candidate_scores(graph, registry, static: bool, triton: bool = False, max_new_tokens: int = 16):
-    """(tokens, each proposal's candidate scores, the runner) of one request, eager or through the CUDA-graph step
+    """(tokens, each proposal's candidate scores, the runner, the walk graphs) of one request, eager or through the CUDA-graph step
     run uncaptured; `triton`: the block path of `use_triton` (on the CPU through Triton's interpreter; with CUDA the
     graph runs there, the plain ops unless `triton`)."""
     from draftflow.plugins.dflash.graphs import DraftRunner
@@ -190,15 +190,17 @@ def _candidate_scores(graph, registry, static: bool, triton: bool = False, max_n
 
     node.step = spy
     tokens = ex.generate([3, 4, 5, 6, 7], SamplingParams(max_new_tokens=max_new_tokens)).token_ids
-    return tokens, scores, node.runner
+    return tokens, scores, node.runner, node.walk_graphs
 
 
 def test_static_proposal_step_runs_the_dynamic_convolutions(pair, tmp_path, registry):
     """DFlash2 through the CUDA-graph step (run uncaptured on the CPU) gives the eager node's candidates."""
     graph = write_graph(tmp_path / "g.yaml", *pair)
-    want, want_scores, _ = _candidate_scores(graph, registry, static=False)
-    got, got_scores, runner = _candidate_scores(graph, registry, static=True)
+    want, want_scores, _, no_walk = _candidate_scores(graph, registry, static=False)
+    got, got_scores, runner, walk_graphs = _candidate_scores(graph, registry, static=True)
     assert runner is not None and got == want
+    # With the runner the selector walks through the drafter's walk graphs (uncaptured here), without it eagerly.
+    assert no_walk is None and walk_graphs is not None and walk_graphs.drafts.count_nonzero() > 0
     for g, w in zip(got_scores, want_scores):
         assert_close_to_scale(g, w, tiny_model_bound(4), "candidate scores")  # the 4-layer reference drafter
 
@@ -207,8 +209,8 @@ def test_triton_block_path_runs_the_dynamic_convolutions(pair, tmp_path, registr
     """`use_triton` on DFlash2 (each convolution one kernel, plugins/dflash/conv_kernel.py; the block's other Triton
     pieces) through the static step gives the plain eager node's candidates (float32; CPU: Triton's interpreter)."""
     graph = write_graph(tmp_path / "g.yaml", *pair)
-    want, want_scores, _ = _candidate_scores(graph, registry, static=False, max_new_tokens=8)
-    got, got_scores, runner = _candidate_scores(graph, registry, static=True, triton=True, max_new_tokens=8)
+    want, want_scores, _, _ = _candidate_scores(graph, registry, static=False, max_new_tokens=8)
+    got, got_scores, runner, _ = _candidate_scores(graph, registry, static=True, triton=True, max_new_tokens=8)
     assert all(conv.triton for layer in runner.model.layers for conv in (layer.attention_conv, layer.mlp_conv))
     assert got == want and len(got_scores) == len(want_scores) >= 2
     for g, w in zip(got_scores, want_scores):
@@ -219,3 +221,24 @@ def test_target_params_hook_answers_the_backbone_tap_layers(random_pair, registr
     """draftflow_target_params: a dflash2 node asks for its backbone's target_layer_ids."""
     hook = registry.pm.hook.draftflow_target_params
     assert hook(plugin="dflash2", params={"path": str(random_pair[1])}, target=None) == [{"tap_layers": [1, 2]}]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_walk_graphs_decode_what_the_eager_node_decodes_on_cuda(pair, tmp_path, registry):
+    """On CUDA the warm-up captures the greedy walk of every row count (no request captures one), and a greedy
+    request through the captured proposals and walks emits the eager node's tokens, which are target-only's."""
+    graph = write_graph(tmp_path / "g.yaml", *pair)
+    eager = Executor(build_plan(load_graph(graph, overrides=["device=cuda", "nodes.drafter.params.cuda_graphs=false"]),
+                                registry))
+    ex = Executor(build_plan(load_graph(graph, overrides=["device=cuda"]), registry))
+    ex.warmup()
+    walk_graphs = ex.nodes["drafter"].walk_graphs
+    assert walk_graphs is not None and set(walk_graphs.graphs) == {(k,) for k in range(1, BLOCK)}
+    for prompt in ([3, 4, 5, 6, 7], [9, 2, 11]):
+        want = eager.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert ex.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
+    assert len(walk_graphs.graphs) == BLOCK - 1
+    assert eager.nodes["drafter"].walk_graphs is None
+    assert greedy_gate(load_graph(graph, overrides=["device=cuda"]), prompts=[[3, 4, 5]], max_new_tokens=16,
+                       registry=registry).drafted > 0
