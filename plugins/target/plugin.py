@@ -267,12 +267,14 @@ class Target(Node):
         if torch.device(self.ctx.device).type != "cuda":
             return
         if self.runner is not None and self.ctx.params["warmup_tokens"]:
-            self.runner.prepare((1, self.ctx.num_draft + 1), self.ctx.params["warmup_tokens"])
             from draftflow.plugins.target.graphs import graph_widths
 
-            # The padded widths between (prompt lookup's windows; every drafter's last cycles): in the first KV
-            # bucket only, which compiles their kernels now; a longer context captures its own on first use
-            self.runner.prepare(graph_widths(self.ctx.num_draft + 1), 1)
+            # Every padded width (decode, full verify, and those between: prompt lookup's windows, every drafter's
+            # last cycles) in every KV bucket up to warmup_tokens. With the widths between in the first bucket only,
+            # a request's short tail windows at a longer context captured mid-request, and on a machine's first run
+            # Triton compiled their kernels there (the combine kernel is specialised per bucket): DFlash's first
+            # HumanEval run on an H100 was 1.35x target-only, its second 1.48x (docs/BENCHMARKS.md, 2026-12-07).
+            self.runner.prepare(graph_widths(self.ctx.num_draft + 1), self.ctx.params["warmup_tokens"])
         torch.cuda.synchronize()
 
     def target_handle(self) -> TargetHandle:
