@@ -12,6 +12,7 @@ the policy, how often it chose each K.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,7 +27,8 @@ PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(path):", "class Stack:\n 
 
 
 def graph(drafter: str, num_draft: int, policy: bool) -> dict:
-    nodes = {"target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": [1, 2, 3]}},
+    taps = json.loads((DEMO / "dflash" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    nodes = {"target": {"plugin": "target", "params": {"path": str(DEMO / "target"), "tap_layers": taps}},
              "verify": {"plugin": "verifier"}}
     if drafter == "dflash":
         nodes["drafter"] = {"plugin": "dflash", "params": {"path": str(DEMO / "dflash")}}

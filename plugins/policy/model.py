@@ -5,15 +5,17 @@ given positions 1..j-1 were), counted from its commits with exponential forgetti
 shrunk towards the same rates over all requests (a new request starts from those).
 Expected tokens a row emits in a cycle of K drafts: ``1 + sum_{j<=K} prod_{i<=j} a_i``.
 
-Cost: the measured wall time of whole cycles, the median of the last few per (batch bucket,
+Cost: the measured wall time of whole cycles, the lowest of the last few per (batch bucket,
 K); a K not measured at a bucket is interpolated linearly between the nearest measured K
-on either side (held flat past the last one).
+on either side (held flat past the last one). The lowest, not the median: a cycle only
+ever costs more than its steady state (a graph's first replay, the drafter ingesting a
+request's prompt in its first drafting cycle, the machine busy), and with the two samples
+each end has when the policy first compares them, a median is their mean.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 
 PRIOR_WEIGHT = 4.0  # a request's own counts weigh this many trials against the all-request rates
@@ -21,7 +23,12 @@ PRIOR_WEIGHT = 4.0  # a request's own counts weigh this many trials against the 
 # a fresh policy drafts and learns (K = 0 teaches it nothing about acceptance) and a bad drafter is found out fast.
 OPTIMISM, OPTIMISM_WEIGHT = 0.8, 2.0
 FORGET = 0.95  # per commit: a request's counts decay, so its recent acceptance counts most
-COST_SAMPLES = 9  # a (bucket, K) cost is the median of its last this many cycles
+COST_SAMPLES = 9  # a (bucket, K) cost is the lowest of its last this many cycles
+# Cycles at K_max and at K = 0 measured at a batch bucket before their costs are compared: a first cycle carries
+# one-off costs. On an H100 the shipped DFlash graph's first cycle at K = 15 (graph uploads, the prompt ingested by
+# the drafter) outweighed its steady cost, the policy settled on K = 0 and a 64-token request ran at 0.71x
+# target-only (tau 1.10; docs/BENCHMARKS.md, 2026-12-07).
+FIRST_SAMPLES = 2
 
 
 def bucket(batch: int) -> int:
@@ -88,8 +95,9 @@ class Acceptance:
 
 
 class CycleCosts:
-    """Measured wall milliseconds of a cycle per (batch bucket, K): the median of the last few measurements,
-    so one slow cycle (a prompt's first window, a graph capture, the machine busy) does not stick."""
+    """Measured wall milliseconds of a cycle per (batch bucket, K): the lowest of the last few measurements, so a
+    slow cycle (a prompt's first window, a graph capture, the machine busy) does not stick, and a lasting change
+    of load shows after COST_SAMPLES cycles."""
 
     def __init__(self):
         self.samples: dict[tuple[int, int], deque[float]] = {}
@@ -97,7 +105,7 @@ class CycleCosts:
 
     @property
     def ms(self) -> dict[tuple[int, int], float]:
-        return {key: statistics.median(values) for key, values in self.samples.items()}
+        return {key: min(values) for key, values in self.samples.items()}
 
     def add(self, batch: int, k: int, ms: float, cycle: int) -> None:
         key = (bucket(batch), k)
@@ -106,7 +114,11 @@ class CycleCosts:
 
     def measured(self, batch: int) -> dict[int, float]:
         b = bucket(batch)
-        return {k: statistics.median(values) for (bb, k), values in self.samples.items() if bb == b}
+        return {k: min(values) for (bb, k), values in self.samples.items() if bb == b}
+
+    def count(self, batch: int, k: int) -> int:
+        """Measurements kept for (batch's bucket, k)."""
+        return len(self.samples.get((bucket(batch), k), ()))
 
     def estimate(self, batch: int, k: int) -> float | None:
         """Milliseconds of a cycle of `batch` rows and K = k; None when nothing is measured at that bucket."""

@@ -4,7 +4,8 @@ For the rows of a cycle it picks the K in [0, K_max] that maximises expected emi
 per second of the whole batch, ``sum_rows E_row(K) / cost(batch, K)`` (model.py), down to
 K = 0 (target-only steps) when speculation cannot pay at this load. K_max is the graph's
 ``num_draft`` (also capped by each row's token budget). Costs are learnt per batch size
-bucket: the first cycles at a bucket measure K_max and K = 0, later ones the best K; after
+bucket: the first cycles at a bucket measure K_max and K = 0 twice each (a first cycle carries one-off costs;
+a cost is the lowest of its last few measurements), later ones the best K; after
 ``explore_every`` cycles a neighbour of the best (or an end point) is re-measured, so the
 table follows the load, and the gap doubles while the best K holds (up to 16 times), so a
 settled answer costs little exploration. Lossless like every K: only speed depends on it.
@@ -15,7 +16,7 @@ With ``sampled_only`` it chooses only for cycles with a sampled row (greedy cycl
 from __future__ import annotations
 
 from draftflow.plugin import Manifest, Node, NodeType, ParamSpec, hookimpl
-from draftflow.plugins.policy.model import Acceptance, CycleCosts
+from draftflow.plugins.policy.model import FIRST_SAMPLES, Acceptance, CycleCosts
 
 BACKOFF_CAP = 16  # exploration is at most this many times rarer than explore_every
 GRID = (0, 1, 3, 7, 15, 31, 63)  # K values chosen by default: few window widths, so few CUDA graphs to capture
@@ -53,10 +54,9 @@ class AdaptiveK(Node):
         if self.sampled_only and all(r.sampling.temperature == 0 for r in rows):
             return batch.num_draft
         n = len(rows)
-        measured = self.costs.measured(n)
-        if k_max not in measured:  # first cycles at this batch size: measure both ends
+        if self.costs.count(n, k_max) < FIRST_SAMPLES:  # first cycles at this batch size: measure both ends twice
             choice = k_max
-        elif 0 not in measured:
+        elif self.costs.count(n, 0) < FIRST_SAMPLES:
             choice = 0
         else:
             choice = self._best(rows, k_max)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from draftflow.core.node import Batch, CommitInfo, CycleCost, NodeContext, RequestState, SamplingParams
-from draftflow.plugins.policy.model import Acceptance, CycleCosts, bucket
+from draftflow.plugins.policy.model import COST_SAMPLES, Acceptance, CycleCosts, bucket
 from draftflow.plugins.policy.plugin import AdaptiveK
 
 
@@ -47,7 +47,10 @@ def test_costs_interpolate_between_measured_k_and_hold_flat_past_them():
     assert costs.estimate(1, 12) == 30.0
     assert costs.estimate(3, 4) is None and bucket(3) == 4 and bucket(1) == 1
     costs.add(1, 8, 50.0, 2)
-    assert costs.estimate(1, 8) == 40.0  # the median of the last measurements
+    assert costs.estimate(1, 8) == 30.0  # the lowest of the last measurements: a slow cycle does not stick
+    for cycle in range(3, 3 + COST_SAMPLES):
+        costs.add(1, 8, 45.0, cycle)
+    assert costs.estimate(1, 8) == 45.0 and costs.count(1, 8) == COST_SAMPLES  # a lasting change shows
 
 
 def _policy(num_draft=8, explore_every=0):
@@ -76,8 +79,8 @@ def _run(policy, batch, accepted_of, cost_of, cycles=40):
 
 def test_k_zero_when_drafts_are_never_accepted():
     chosen = _run(_policy(), _rows(4, 8), accepted_of=lambda k: 0, cost_of=lambda k: 10.0 + k)
-    assert chosen[:2] == [8, 0]  # both ends measured first
-    assert set(chosen[5:]) == {0}
+    assert chosen[:4] == [8, 8, 0, 0]  # both ends measured twice first
+    assert set(chosen[8:]) == {0}  # after a few tries of K = 1 (the optimistic prior)
 
 
 def test_k_max_when_every_draft_is_accepted_and_drafting_is_cheap():
@@ -91,6 +94,21 @@ def test_a_middle_k_when_acceptance_runs_out_and_each_draft_costs():
                   cost_of=lambda k: 9.0 + 3.0 * k, cycles=80)
     steady = chosen[40:]
     assert max(set(steady), key=steady.count) == 3
+
+
+def test_a_costly_first_cycle_does_not_talk_the_policy_out_of_drafting():
+    """The first cycle at K_max costs 20x its steady state (CUDA: graph uploads, the drafter ingesting the prompt);
+    drafts are all accepted and drafting is cheap, so the policy still settles on K_max."""
+    first = {"k_max": True}
+
+    def cost_of(k):
+        if k == 8 and first["k_max"]:
+            first["k_max"] = False
+            return 200.0
+        return 10.0 + 0.5 * k
+
+    chosen = _run(_policy(), _rows(1, 8), accepted_of=lambda k: k, cost_of=cost_of)  # no exploration to recover by
+    assert set(chosen[4:]) == {8}
 
 
 def test_explore_remeasures_neighbours_of_the_best():
