@@ -244,9 +244,9 @@ def block_rope_write(
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr,  # inputs
     m_ptr, l_ptr, acc_ptr,  # per-split partial results
-    stride_cache_b, stride_cache_pos, stride_start, scale, W, R, NSPLIT,
+    stride_cache_b, stride_cache_pos, stride_start, scale, W, R, NSPLIT, span,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
-    PDL: tl.constexpr = False, CAUSAL: tl.constexpr = True,
+    PDL: tl.constexpr = False, CAUSAL: tl.constexpr = True, SLIDING: tl.constexpr = False,
 ):
     # q: [B, KVH, R, D] with row r = g*W + w; caches: [B, capacity, KVH, D]; one program per
     # (b, kvh, key block, block of BLOCK_R rows). CAUSAL False: every row sees the whole window (a DFlash block)
@@ -272,6 +272,8 @@ def _attn_split_kernel(
         visible = keys[None, :] <= (start + rows % W)[:, None]  # [BLOCK_R, BLOCK_N]: causal within the window
     else:
         visible = is_key[None, :] & (rows[:, None] >= 0)  # [BLOCK_R, BLOCK_N]
+    if SLIDING:  # a sliding-window layer: the row at position p sees keys after p - span only
+        visible = visible & (keys[None, :] > (start + rows % W - span)[:, None])
     # A large finite floor instead of -inf: a row may see nothing in this block, and -inf - -inf is NaN.
     s = tl.where(visible, s * scale, -1.0e30)
     m = tl.max(s, 1)
@@ -329,6 +331,7 @@ def decode_attention(
     w: int,
     bucket: int,  # keys [0, bucket) are considered (the largest end over the rows); the grid depends only on it
     causal: bool = True,  # False: every row sees keys [0, start + W), the whole window (a DFlash block's rows)
+    span: int | None = None,  # a sliding window: the row at position p sees keys after p - span only
 ) -> torch.Tensor:  # [B, W, KVH*G*D], o_proj's input layout
     """Causal attention of a W-token window over the cache, split over key blocks (flash-decoding).
 
@@ -346,8 +349,9 @@ def decode_attention(
     block_r = FP32_ROWS if fp32 else max(16, triton.next_power_of_2(rows))
     _attn_split_kernel[(b * kvh, nsplit, triton.cdiv(rows, block_r))](
         q, k_cache, v_cache, start, m, l, acc,
-        k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit,
-        KVH=kvh, D=d, BLOCK_R=block_r, BLOCK_N=ATTN_BLOCK_N, IS_FP32=fp32, CAUSAL=causal, num_warps=4, **pdl(q.device),
+        k_cache.stride(0), k_cache.stride(1), 1 if start.shape[0] > 1 else 0, d ** -0.5, w, rows, nsplit, span or 0,
+        KVH=kvh, D=d, BLOCK_R=block_r, BLOCK_N=ATTN_BLOCK_N, IS_FP32=fp32, CAUSAL=causal, SLIDING=span is not None,
+        num_warps=4, **pdl(q.device),
     )
     out = torch.empty(b, w, rows // w * kvh * d, dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(b * kvh, rows)](

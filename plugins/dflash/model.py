@@ -122,13 +122,14 @@ class DFlashModel(nn.Module):
 
     def use_triton(self) -> bool:
         """Run inference blocks of one request (a cache, shared positions) through `_forward_triton`, when every
-        layer is full and non-causal (DFlash's, z-lab's b16 drafters) and heads are a power of two; q/k/v and
-        gate/up weights go back to back (`fuse_projections`). Returns whether it took. On the CPU the kernels run
-        through Triton's interpreter (tests); the DFlash nodes call it on CUDA."""
+        layer is non-causal (DFlash's, z-lab's b16 drafters), full or sliding with a window of at least the block,
+        and heads are a power of two; q/k/v and gate/up weights go back to back (`fuse_projections`). Returns
+        whether it took. On the CPU the kernels run through Triton's interpreter (tests); the DFlash nodes call it
+        on CUDA."""
         cfg, d = self.config, self.config.head_dim
-        full = all(not cfg.layer_is_causal(i) and cfg.layer_type(i) != "sliding_attention"
-                   for i in range(cfg.num_layers))
-        if not full or d & (d - 1) or 2 * self.inv_freq.numel() != d:  # (no partial rotary in the kernel)
+        spans = [self.span(i) for i in range(cfg.num_layers)]
+        ok = all(not cfg.layer_is_causal(i) and (span is None or span >= cfg.block_size) for i, span in enumerate(spans))
+        if not ok or d & (d - 1) or 2 * self.inv_freq.numel() != d:  # (no partial rotary in the kernel)
             return False
         fuse_projections(self)
         self.kernels = Kernels(split_attention=True, elementwise=True)
@@ -197,12 +198,17 @@ class DFlashModel(nn.Module):
             qkv = fused_linear(torch.cat([ctx, h], 1), [attn.q_proj, attn.k_proj, attn.v_proj])  # [1, C+W, (QH+2KVH)D]
             q = tk.block_rope_write(qkv, positions, self.inv_freq, attn.q_norm.weight, attn.k_norm.weight, c, kv[i, 0],
                                     kv[i, 1], attn.num_heads, attn.q_norm.eps)
-            out = k.split_attention(q, kv[i, 0], kv[i, 1], window.block_pos[:1], h.shape[1], window.keys, causal=False)
+            out = k.split_attention(q, kv[i, 0], kv[i, 1], window.block_pos[:1], h.shape[1], window.keys, causal=False,
+                                    span=self.span(i))
             x, u = k.add_rms(x, _finish(layer.attention_conv, attn.o_proj(out), attn_state), post.weight, post.eps)
             u, mlp_state = _prepare(layer.mlp_conv, u, window.width)
             norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, u = k.add_rms(x, _finish(layer.mlp_conv, layer.mlp(u, k), mlp_state), norm.weight, norm.eps)
         return u
+
+    def span(self, i: int) -> int | None:
+        """Layer i's sliding window, None for a full layer."""
+        return self.config.sliding_window if self.config.layer_type(i) == "sliding_attention" else None
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] or [B, T]; returns cos, sin: [T, 1, D] or [B, T, 1, D]

@@ -59,10 +59,12 @@ def test_block_rope_write_writes_every_live_row_at_its_position(stale):
     torch.testing.assert_close(got_q.cpu(), want_q, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("start,bucket,w", [(37, 128, 16), (100, 192, 5)])
-def test_non_causal_decode_attention_sees_the_whole_window(start, bucket, w):
-    """causal=False: every row of the W-row window attends keys [0, start + W), split over key blocks and merged;
-    float32 to 1e-5."""
+@pytest.mark.parametrize("start,bucket,w,span", [(37, 128, 16, None), (100, 192, 5, None), (150, 192, 16, 64),
+                                                 (100, 192, 5, 16)])
+def test_non_causal_decode_attention_sees_the_whole_window(start, bucket, w, span):
+    """causal=False: every row of the W-row window attends keys [0, start + W), split over key blocks and merged; with
+    a sliding `span`, the row at position p only keys after p - span (a sliding non-causal DFlash layer); float32 to
+    1e-5."""
     gen = torch.Generator().manual_seed(start)
     g, capacity = QH // KVH, 256
     q = torch.randn(1, KVH, g * w, D, generator=gen)
@@ -70,8 +72,11 @@ def test_non_causal_decode_attention_sees_the_whole_window(start, bucket, w):
     v_cache = torch.randn(1, capacity, KVH, D, generator=gen)
     end = start + w
     scores = torch.einsum("hrd,shd->hrs", q[0].double(), k_cache[0, :end].double()) * D ** -0.5
+    if span is not None:
+        query = start + torch.arange(g * w) % w  # row r = g*W + w sits at position start + w
+        scores = scores.masked_fill((query[:, None] - torch.arange(end)[None, :] >= span)[None], float("-inf"))
     out = torch.einsum("hrs,shd->hrd", torch.softmax(scores, -1), v_cache[0, :end].double())  # [KVH, G*W, D]
     want = out.view(KVH, g, w, D).permute(2, 0, 1, 3).reshape(1, w, KVH * g * D)
     got = tk.decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
-                              torch.tensor([start], device=DEVICE), w, bucket, causal=False)
+                              torch.tensor([start], device=DEVICE), w, bucket, causal=False, span=span)
     torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from helpers import ROOT
@@ -111,10 +112,14 @@ def test_trained_outputs_pass_the_greedy_gate(target, dflash_run, mtp_run, tmp_p
         assert report.drafted > 0, name
 
 
-def test_training_forward_matches_the_node_for_one_anchor(target):
-    """The multi-anchor training forward gives the inference path's block hidden states for a single anchor."""
+@pytest.mark.parametrize("span", [None, 6])
+def test_training_forward_matches_the_node_for_one_anchor(target, span):
+    """The multi-anchor training forward gives the inference path's block hidden states for a single anchor; also
+    with non-causal sliding-window layers whose window (6) is shorter than the context (11 rows)."""
     model = load_hf(target, "cpu", torch.float32).model
     cfg = new_config(model, num_layers=2, block_size=4, tap_layers=(0, 1), mask_token_id=255)
+    if span is not None:
+        cfg = attrs.evolve(cfg, layer_types=("sliding_attention",) * 2, sliding_window=span, is_causal=False)
     drafter = DFlashModel(cfg)
     init_weights(drafter, std=0.2, seed=3)
     tokens = torch.randint(0, 255, (1, 20), generator=torch.Generator().manual_seed(0))

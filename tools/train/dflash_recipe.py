@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from draftflow.core.errors import DraftflowError
 from draftflow.plugins.dflash.config import DFlashConfig
 from draftflow.layers.kv_cache import KVCache
 from draftflow.plugins.dflash.model import DFlashModel, Window, draft_logits, fold_mask
@@ -70,11 +71,10 @@ def zero_new_layers(drafter: DFlashModel, first: int) -> None:
 
 def training_window(drafter: DFlashModel, anchors: torch.Tensor, seq: int, width: int) -> Window:
     """The forward's metadata for N blocks per sequence: block b sits at a_b .. a_b+W-1 and sees the context
-    strictly before a_b plus its own rows (causally in causal layers), never another block."""
+    strictly before a_b plus its own rows (causally in causal layers), never another block; in a sliding-window
+    layer only the context cells less than its window behind each row (as the node attends)."""
     # anchors: [B, N]; keys of the forward: the S context rows, then the N*W block rows
     cfg = drafter.config
-    if "sliding_attention" in cfg.layer_types:
-        raise NotImplementedError("training drafters with sliding-window layers is not supported")
     bsz, n = anchors.shape
     dev = anchors.device
     offset = torch.arange(width, device=dev)  # [W]
@@ -85,12 +85,18 @@ def training_window(drafter: DFlashModel, anchors: torch.Tensor, seq: int, width
     sees_ctx = ctx_pos[None, None, :] < row_anchor[:, :, None]  # [B, N*W, S]
     same = row_block[:, None] == row_block[None, :]  # [N*W, N*W]
     groups = cfg.num_heads // cfg.num_kv_heads
-    by_causal = {}
-    for causal in {cfg.layer_is_causal(i) for i in range(cfg.num_layers)}:
-        own = same & (row_k[None, :] <= row_k[:, None]) if causal else same
-        visible = torch.cat([sees_ctx, own[None].expand(bsz, -1, -1)], dim=-1)[:, None]  # [B, 1, N*W, S+N*W]
-        by_causal[causal] = fold_mask(visible, groups, None)
-    masks = [by_causal[cfg.layer_is_causal(i)] for i in range(cfg.num_layers)]
+    kinds = [(cfg.layer_is_causal(i), drafter.span(i)) for i in range(cfg.num_layers)]
+    by_kind = {}
+    for causal, span in kinds:
+        if span is not None and span < width:
+            raise DraftflowError(f"drafter config: sliding_window {span} is shorter than the block of {width}; "
+                                 "training needs a window of at least block_size")
+        if (causal, span) not in by_kind:
+            own = same & (row_k[None, :] <= row_k[:, None]) if causal else same
+            ctx = sees_ctx if span is None else sees_ctx & ((row_anchor + row_k)[:, :, None] - ctx_pos < span)
+            visible = torch.cat([ctx, own[None].expand(bsz, -1, -1)], dim=-1)[:, None]  # [B, 1, N*W, S+N*W]
+            by_kind[causal, span] = fold_mask(visible, groups, None)
+    masks = [by_kind[kind] for kind in kinds]
     block_pos = (anchors[:, :, None] + offset).reshape(bsz, n * width)  # [B, N*W]
     return Window(ctx_pos, block_pos, masks, seq + n * width, width)
 

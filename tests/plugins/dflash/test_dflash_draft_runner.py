@@ -113,6 +113,31 @@ def test_triton_block_path_drafts_what_the_plain_path_drafts(pair, tmp_path, run
         assert_close_to_scale(g, w, tiny_model_bound(DRAFT_KW["num_hidden_layers"]), "draft logits")
 
 
+def test_triton_block_path_honours_sliding_windows(pair, tmp_path):
+    """A drafter whose layers are sliding (window = the block size, so a block row sees only the last few context
+    cells of an 18-token prompt) and non-causal: `use_triton` takes it, and its drafts equal the plain path's
+    (which masks the window), eager, float32 (CPU: Triton's interpreter)."""
+    import json
+    import shutil
+
+    drafter = tmp_path / "sliding"
+    shutil.copytree(pair[1], drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config.update(layer_types=["sliding_attention"] * layers, sliding_window=BLOCK, is_causal=False)
+    (drafter / "config.json").write_text(json.dumps(config))
+    graph = write_graph(tmp_path / "g.yaml", pair[0], drafter)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(prompts=PROMPTS[2:], max_new_tokens=8)
+    want, want_out, _ = _drafts(graph, device, runner=False, triton=False, **kw)
+    got, got_out, _ = _drafts(graph, device, runner=False, triton=True, **kw)
+    full, _, _ = _drafts(write_graph(tmp_path / "full.yaml", *pair), device, runner=False, triton=False, **kw)
+    assert len(got) >= 3 and got_out == want_out and [p for p, _ in got] == [p for p, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        assert_close_to_scale(g, w, tiny_model_bound(DRAFT_KW["num_hidden_layers"]), "draft logits")
+    assert not torch.allclose(full[0][1], want[0][1])  # the window changed what the drafter saw
+
+
 def test_runner_rejects_more_rows_than_its_width(pair, tmp_path):
     """Ingesting more rows than the block width is refused (the node splits long prompts first)."""
     graph = write_graph(tmp_path / "g.yaml", *pair)
