@@ -55,6 +55,21 @@ def mtp_run(target, tmp_path_factory):
     return out, _train("mtp", target, out, 30)
 
 
+def test_new_dflash_drafters_attend_their_training_window(dflash_run, target, tmp_path):
+    """A fresh DFlash drafter's layers are non-causal sliding windows of --seq-len cells (what training shows it);
+    --window 0 gives full attention, a window shorter than the block is refused in one line."""
+    out, _ = dflash_run
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == 64 and cfg["is_causal"] is False
+    full = tmp_path / "full"
+    _train("dflash", target, full, 1, "--window", "0")
+    assert "layer_types" not in json.loads((full / "config.json").read_text())
+    with pytest.raises(DraftflowError, match="--window 2 is shorter than the block of 4"):
+        _train("dflash", target, tmp_path / "short", 1, "--window", "2")
+    with pytest.raises(DraftflowError, match="--window -1: must be at least 0"):
+        _train("dflash", target, tmp_path / "neg", 1, "--window", "-1")
+
+
 def test_lr_warms_up_then_decays_to_zero():
     """The schedule rises linearly over the warm-up share, peaks at 1 and ends at 0."""
     assert lr_factor(0.0, 0.1) == 0.0 and lr_factor(0.05, 0.1) == pytest.approx(0.5)

@@ -42,6 +42,7 @@ RANGES = {
     "gamma": (0.0, False, math.inf, "the loss decay"),
     "mask_token_id": (0, True, INT_MAX, "a token id"),
     "intermediate": (1, True, INT_MAX, "the MLP width"),
+    "window": (0, True, INT_MAX, "cells a row attends back; 0: full attention"),
     "conv_kernel_size": (1, True, INT_MAX, "taps"),
     "conv_group_size": (1, True, INT_MAX, "channels per coefficient"),
     "selector_rank": (1, True, INT_MAX, "the codebook width"),

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
+
 from draftflow.core.errors import DraftflowError, ModelFormatError
 
 MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     only(d, BLOCKS, "--tap-layers", help="target layers to read, e.g. 1,2,3 (default: z-lab's rule, or 1..L-1 for L < 8)")
     only(d, BLOCKS, "--mask-token-id", type=int, help=f"default: the tokenizer's {' / '.join(MASK_NAMES[:2])} token")
     only(d, BLOCKS, "--intermediate", type=int, help="draft MLP width (default: the target's)")
+    only(d, BLOCKS, "--window", type=int, help="W: the drafter's layers attend non-causally over a sliding window of W "
+         "cells (the context less than W behind a row, and its block); default --seq-len, the farthest a training "
+         "window shows it (a drafter attending further at inference than it was trained to lost its acceptance on "
+         "the demo pair, docs/TRAINING.md); 0: full attention. At least --block-size")
     only(d, BLOCKS, "--gguf", help="also write the drafter as a GGUF file (llama.cpp names)")
     only(d, BLOCKS, "--init-from", help="start from this trained drafter (HF directory or .gguf): dflash continues a "
          "DFlash (v1) drafter under a new schedule; dflash2 takes a DFlash drafter as its backbone, or continues a "
@@ -438,9 +444,15 @@ def _backbone_config(a, loaded):
     """A fresh DFlash backbone config from the shape flags (z-lab's defaults: 2 layers, block 8)."""
     from draftflow.tools.train.dflash_recipe import new_config
 
-    layers, tcfg = a.layers or 2, loaded.config
-    return new_config(loaded.model, layers, a.block_size or 8, _tap_layers(a.tap_layers, tcfg.num_layers, layers),
-                      _mask_id(a, loaded.tokenizer, tcfg.vocab_size), a.intermediate)
+    layers, tcfg, block = a.layers or 2, loaded.config, a.block_size or 8
+    cfg = new_config(loaded.model, layers, block, _tap_layers(a.tap_layers, tcfg.num_layers, layers),
+                     _mask_id(a, loaded.tokenizer, tcfg.vocab_size), a.intermediate)
+    window = a.seq_len if a.window is None else a.window
+    if window and window < block:
+        raise DraftflowError(f"--window {window} is shorter than the block of {block}; give --window >= --block-size "
+                             "(or 0 for full attention)")
+    return attrs.evolve(cfg, layer_types=("sliding_attention",) * layers, sliding_window=window,
+                        is_causal=False) if window else cfg
 
 
 def _check_shape_flags(a, base, dflash2=None) -> None:
@@ -451,6 +463,7 @@ def _check_shape_flags(a, base, dflash2=None) -> None:
     given = {"--layers": (a.layers, base.num_layers), "--block-size": (a.block_size, base.block_size),
              "--mask-token-id": (a.mask_token_id, base.mask_token_id),
              "--intermediate": (a.intermediate, base.intermediate_size),
+             "--window": (a.window, (base.sliding_window or 0) if "sliding_attention" in base.layer_types else 0),
              "--tap-layers": (_tap_layers(a.tap_layers, base.num_target_layers, 1) if a.tap_layers else None,
                               base.target_layer_ids)}
     for dest in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if dflash2 else ():
