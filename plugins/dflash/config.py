@@ -93,6 +93,10 @@ class DFlashConfig:
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full_attention"
 
+    def layer_span(self, i: int) -> int | None:
+        """Layer i's sliding window in cells (a row sees keys less than this far behind it); None for a full layer."""
+        return self.sliding_window if self.layer_type(i) == "sliding_attention" else None
+
     def layer_is_causal(self, i: int) -> bool:
         return self.layer_type(i) == "sliding_attention" if self.is_causal is None else self.is_causal
 

@@ -127,8 +127,8 @@ class DFlashModel(nn.Module):
         whether it took. On the CPU the kernels run through Triton's interpreter (tests); the DFlash nodes call it
         on CUDA."""
         cfg, d = self.config, self.config.head_dim
-        spans = [self.span(i) for i in range(cfg.num_layers)]
-        ok = all(not cfg.layer_is_causal(i) and (span is None or span >= cfg.block_size) for i, span in enumerate(spans))
+        ok = all(not cfg.layer_is_causal(i) and (cfg.layer_span(i) or cfg.block_size) >= cfg.block_size
+                 for i in range(cfg.num_layers))
         if not ok or d & (d - 1) or 2 * self.inv_freq.numel() != d:  # (no partial rotary in the kernel)
             return False
         fuse_projections(self)
@@ -199,16 +199,12 @@ class DFlashModel(nn.Module):
             q = tk.block_rope_write(qkv, positions, self.inv_freq, attn.q_norm.weight, attn.k_norm.weight, c, kv[i, 0],
                                     kv[i, 1], attn.num_heads, attn.q_norm.eps)
             out = k.split_attention(q, kv[i, 0], kv[i, 1], window.block_pos[:1], h.shape[1], window.keys, causal=False,
-                                    span=self.span(i))
+                                    span=self.config.layer_span(i))
             x, u = k.add_rms(x, _finish(layer.attention_conv, attn.o_proj(out), attn_state), post.weight, post.eps)
             u, mlp_state = _prepare(layer.mlp_conv, u, window.width)
             norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, u = k.add_rms(x, _finish(layer.mlp_conv, layer.mlp(u, k), mlp_state), norm.weight, norm.eps)
         return u
-
-    def span(self, i: int) -> int | None:
-        """Layer i's sliding window, None for a full layer."""
-        return self.config.sliding_window if self.config.layer_type(i) == "sliding_attention" else None
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] or [B, T]; returns cos, sin: [T, 1, D] or [B, T, 1, D]
@@ -313,7 +309,7 @@ def layer_masks(cfg: DFlashConfig, written: torch.Tensor, key: torch.Tensor, que
     masks = []
     for i in range(cfg.num_layers):
         causal = cfg.layer_is_causal(i)
-        span = cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else None
+        span = cfg.layer_span(i)
         if (causal, span) not in by_kind:
             if no_full_mask and not causal and span is None:
                 by_kind[causal, span] = None

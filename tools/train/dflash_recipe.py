@@ -85,7 +85,7 @@ def training_window(drafter: DFlashModel, anchors: torch.Tensor, seq: int, width
     sees_ctx = ctx_pos[None, None, :] < row_anchor[:, :, None]  # [B, N*W, S]
     same = row_block[:, None] == row_block[None, :]  # [N*W, N*W]
     groups = cfg.num_heads // cfg.num_kv_heads
-    kinds = [(cfg.layer_is_causal(i), drafter.span(i)) for i in range(cfg.num_layers)]
+    kinds = [(cfg.layer_is_causal(i), cfg.layer_span(i)) for i in range(cfg.num_layers)]
     by_kind = {}
     for causal, span in kinds:
         if span is not None and span < width:
