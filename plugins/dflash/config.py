@@ -205,6 +205,7 @@ class DFlashConfig:
             d["layer_types"] = list(self.layer_types)
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = True  # transformers' Qwen3Config drops sliding_window without it
         if self.is_causal is not None:
             d["is_causal"] = self.is_causal
         extra = d["dflash_config"]

@@ -53,3 +53,22 @@ def test_draft_logits_match_reference_across_cycles(tmp_path, variant):
         got = draft_logits(ours.draft(features, start - ctx_rows, block, cache)[:, 1:], head.weight, cfg)
         assert cache.length == start
         assert_close_to_scale(got, want, tiny_model_bound(DRAFT_KW["num_hidden_layers"]), "draft logits")
+
+
+def test_a_written_window_survives_the_reference_config():
+    """A windowed config as draftflow writes it keeps its window in transformers' Qwen3Config (the reference's class).
+
+    Qwen3Config drops `sliding_window` unless `use_sliding_window` is true, and the reference then fails to build its
+    cache; the demo drafters are windowed.
+    """
+    from dflash.model import DFlashDraftModel
+
+    from draftflow.plugins.dflash.config import DFlashConfig
+
+    d = {**build_reference(seed=3).config.to_dict(), "layer_types": ["sliding_attention"] * 2, "sliding_window": 5,
+         "is_causal": False}
+    d.pop("use_sliding_window", None)
+    ours = DFlashConfig.from_hf_dict(d, "config.json")
+    theirs = DFlashDraftModel.config_class(**ours.to_hf_dict())
+    assert theirs.sliding_window == 5 and list(theirs.layer_types) == ["sliding_attention"] * 2
+    _make_cache(theirs)  # raises on a window of None
