@@ -158,7 +158,7 @@ class DFlash2(DFlash):
         logits = self.processed(batch, logits[..., :self.config2.vocab_size])
         scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [B, K, M] each, best first
         if self.min_path_prob > 0:
-            k = confident_width(logits, scores[..., 0], self.min_path_prob)
+            k = confident_width(logits, self.min_path_prob)
             ids, scores, hidden = ids[:, :k], scores[:, :k], hidden[:, :k]
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector, self._walk_graphs())}
 

@@ -374,7 +374,7 @@ class DFlash(RowProposals, Node):
         _, logits, widths = drafted  # [B, K, V]
         logits = self.processed(batch, logits)
         if self.min_path_prob > 0:  # the drafts before the drafter's confidence runs out (docs/DFLASH.md)
-            k = confident_width(logits, logits.amax(-1), self.min_path_prob)
+            k = confident_width(logits, self.min_path_prob)
             logits, widths = logits[:, :k], [min(w, k) for w in widths]
         if batch.size == 1:
             return {"proposal": self._row_proposal(batch.rows[0], logits)}
@@ -388,12 +388,13 @@ class DFlash(RowProposals, Node):
         return {}
 
 
-def confident_width(logits: torch.Tensor, top: torch.Tensor, threshold: float) -> int:
+def confident_width(logits: torch.Tensor, threshold: float) -> int:
     """How many of a block's K draft rows to keep: those before the first row where the running product of the top
-    candidate's probability (softmax of `logits` [B, K, V] at its top logit `top` [B, K]) falls under `threshold`; at
-    least 1, and the widest row's count over the batch."""
-    k = top.shape[1]
-    below = torch.cumprod(torch.exp(top.float() - torch.logsumexp(logits.float(), -1)), -1) < threshold  # [B, K]
+    candidate's probability (the row maximum of the softmax of `logits` [B, K, V]) falls under `threshold`; at least
+    1, and the widest row's count over the batch."""
+    k = logits.shape[1]
+    # softmax then its maximum: one fused pass and a small one (CPU: half the time of exp(top - logsumexp))
+    below = torch.cumprod(logits.float().softmax(-1).amax(-1), -1) < threshold  # [B, K]
     first = torch.where(below.any(-1), below.int().argmax(-1), k)  # [B]: the first row under it, else K
     return max(1, int(first.max()))
 

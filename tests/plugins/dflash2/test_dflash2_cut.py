@@ -32,8 +32,25 @@ def block(probs: list[list[float]], vocab: int = 6) -> tuple[torch.Tensor, torch
     ([[0.2, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.2]], 0.3, 3),  # a batch: the widest row's cut
 ])
 def test_the_width_stops_before_the_first_row_under_the_threshold(probs, threshold, width):
-    logits, top = block(probs)
-    assert confident_width(logits, top, threshold) == width
+    logits, _ = block(probs)
+    assert confident_width(logits, threshold) == width
+
+
+def test_the_width_matches_a_loop_over_random_blocks():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        logits = torch.randn(1 + trial % 3, 1 + trial % 15, 50, generator=gen) * (1 + 4 * torch.rand(1, generator=gen))
+        for threshold in (0.01, 0.1, 0.5):
+            widest = 1
+            for row in logits.double():
+                path, keep = 1.0, row.shape[0]
+                for k, r in enumerate(row):
+                    path *= math.exp(r.max().item() - torch.logsumexp(r, -1).item())
+                    if path < threshold:
+                        keep = k
+                        break
+                widest = max(widest, keep)
+            assert confident_width(logits, threshold) == widest
 
 
 @pytest.mark.parametrize("params", [PARAMS, DFLASH_PARAMS], ids=["dflash2", "dflash"])
