@@ -156,10 +156,10 @@ class DFlash2(DFlash):
         # Codebooks may be narrower than a padded target head: never propose an id without a row.
         # Penalties and bias (committed prefix only) pick and weigh the candidates.
         logits = self.processed(batch, logits[..., :self.config2.vocab_size])
-        scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [B, K, M] each, best first
-        if self.min_path_prob > 0:
+        if self.min_path_prob > 0:  # cut first: the top-M below reads only the rows kept
             k = confident_width(logits, self.min_path_prob)
-            ids, scores, hidden = ids[:, :k], scores[:, :k], hidden[:, :k]
+            logits, hidden = logits[:, :k], hidden[:, :k]
+        scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [B, k, M] each, best first
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector, self._walk_graphs())}
 
 
