@@ -50,7 +50,7 @@ from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_s
 from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
-from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, shortcut_hooks,
+from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, confident_width, shortcut_hooks,
                                              slot_width, tap_layer_check, trained_for)
 from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
 from draftflow.plugins.dflash.selector_graphs import GreedyWalkGraphs
@@ -152,12 +152,13 @@ class DFlash2(DFlash):
             m, device = self.config2.selector_top_k, self.ctx.device
             return {"candidates": DFlash2Candidates(torch.empty(batch.size, 0, m, dtype=torch.long, device=device),
                                                     torch.empty(batch.size, 0, m, device=device), None, selector)}
-        hidden, logits, _ = drafted  # [B, K, H], [B, K, V] (None: a cut block's head is left to kept_logits)
+        hidden, logits, _ = drafted  # [B, K, H], [B, K, V]
         # Codebooks may be narrower than a padded target head: never propose an id without a row.
-        # Penalties and bias (committed prefix only) pick and weigh the candidates; a cut comes first, so the
-        # top-M below reads only the rows kept.
-        logits = self.kept_logits(batch, hidden, logits, self.config2.vocab_size)
-        hidden = hidden[:, :logits.shape[1]]
+        # Penalties and bias (committed prefix only) pick and weigh the candidates.
+        logits = self.processed(batch, logits[..., :self.config2.vocab_size])
+        if self.min_path_prob > 0:  # cut first: the top-M below reads only the rows kept
+            k = confident_width(logits, self.min_path_prob)
+            logits, hidden = logits[:, :k], hidden[:, :k]
         scores, ids = logits.topk(self.config2.selector_top_k, dim=-1)  # [B, k, M] each, best first
         return {"candidates": DFlash2Candidates(ids, scores, hidden, selector, self._walk_graphs())}
 

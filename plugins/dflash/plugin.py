@@ -84,7 +84,6 @@ DEFER_DOC = ("optional: another drafter's proposal; a cycle where it offers `def
 
 # Context rows projected per forward while ingesting a long prompt's features.
 CONTEXT_CHUNK = 512
-CUT_CHUNK = 4  # head rows a cut one-request block computes at a time (`cut_logits`)
 KV_GROW_REASON = ("DFlash keeps its context K/V and block shapes static and sized to the target's preallocated "
                   "cache; set the target's kv_mode: static")
 
@@ -317,32 +316,17 @@ class DFlash(RowProposals, Node):
         if runner is not None and rows.shape[1] > 0:
             hidden, logits = runner(rows, start, req.anchor, width)  # [1, B-1, H], [1, B-1, V]
             return hidden[:, :k], logits[:, :k]
-        # A cut block leaves its LM head to the step, which computes it CUT_CHUNK rows at a time (`cut_logits`).
-        return self._eager_block(rows, start, req.anchor, width, k, cache, head=self.min_path_prob <= 0)
+        return self._eager_block(rows, start, req.anchor, width, k, cache)
 
-    def _eager_block(self, rows: torch.Tensor, start: int, anchor: int, width: int, k: int, cache: KVCache,
-                     head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _eager_block(self, rows: torch.Tensor, start: int, anchor: int, width: int, k: int, cache: KVCache
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Ingest `rows` at `start` and run the `width`-row block [anchor, MASK...] after them in one eager forward;
-        the first k draft rows' hidden states ([1, k, H], final-normed) and logits ([1, k, V] float32; None when not
-        `head`)."""
+        the first k draft rows' hidden states ([1, k, H], final-normed) and logits ([1, k, V] float32)."""
         block = torch.full((1, width), self.config.mask_token_id, dtype=torch.long, device=self.ctx.device)  # [1, B]
         block[0, 0] = anchor
         # The block's K/V sit past cache.length: the next cycle's crop drops them.
         hidden = self.model.draft(rows.to(self.dtype), start, self.model.embed_block(block, self.embed), cache)[:, 1:k + 1]
-        return hidden, draft_logits(hidden, self.head, self.config) if head else None
-
-    def kept_logits(self, batch, hidden: torch.Tensor, logits: torch.Tensor | None, vocab: int | None = None
-                    ) -> torch.Tensor:
-        """The processed logits of the rows the step offers: all of them, or those a `min_path_prob` cut keeps
-        (computed here chunk by chunk when the block came without its head); `vocab` trims a padded head."""
-        # hidden: [B, K, H]; logits: [B, K, V] or None (B = 1); returns [B, k, V] processed, k <= K
-        if logits is None:
-            return cut_logits(hidden, lambda h: self.processed(batch, draft_logits(h, self.head, self.config)[..., :vocab]),
-                              self.min_path_prob)
-        logits = self.processed(batch, logits[..., :vocab])
-        if self.min_path_prob > 0:  # the drafts before the drafter's confidence runs out (docs/DFLASH.md)
-            logits = logits[:, :confident_width(logits, self.min_path_prob)]
-        return logits
+        return hidden, draft_logits(hidden, self.head, self.config)
 
     def _no_rows(self) -> torch.Tensor:
         cfg = self.config
@@ -372,11 +356,8 @@ class DFlash(RowProposals, Node):
             # A cycle ingests C = 1..K+1 rows: `fc` takes C of them, each layer's k/v the C and the block's B (CPU:
             # oneDNN's kernels for those row counts, layers/cpu_linear.py); the block's other products keep B rows.
             # (After a cycle a policy gave K = 0, the next one ingests both cycles' rows: a count built on first use.)
-            # A cut block's head runs CUT_CHUNK rows at a time (`cut_logits`): those counts of the K-row head too.
             width = slot_width(self.config, self.ctx.num_draft)
-            k, chunks = min(self.ctx.num_draft, width - 1), range(1, CUT_CHUNK + 1) if self.min_path_prob > 0 else ()
-            cpu_linear.build_kernels(noted, lambda m: range(m, m + self.ctx.num_draft + 1) if m in (1, 1 + width)
-                                     else chunks if m == k else ())
+            cpu_linear.build_kernels(noted, lambda m: range(m, m + self.ctx.num_draft + 1) if m in (1, 1 + width) else ())
 
     def _warm_eager(self) -> torch.Tensor:
         """`_eager_block` on one zero feature row in slot 0, offering K rows; returns their hidden states ([1, K, H])."""
@@ -390,9 +371,11 @@ class DFlash(RowProposals, Node):
         drafted = self.draft_block(batch, inputs)
         if drafted is None:
             return {"proposal": Proposal(torch.empty(batch.size, 0, dtype=torch.long, device=self.ctx.device))}
-        hidden, logits, widths = drafted  # [B, K, H], [B, K, V] (None: a cut block's head is left to kept_logits)
-        logits = self.kept_logits(batch, hidden, logits)
-        widths = [min(w, logits.shape[1]) for w in widths]
+        _, logits, widths = drafted  # [B, K, V]
+        logits = self.processed(batch, logits)
+        if self.min_path_prob > 0:  # the drafts before the drafter's confidence runs out (docs/DFLASH.md)
+            k = confident_width(logits, self.min_path_prob)
+            logits, widths = logits[:, :k], [min(w, k) for w in widths]
         if batch.size == 1:
             return {"proposal": self._row_proposal(batch.rows[0], logits)}
         return {"proposal": self._batch_proposal(batch, logits, widths)}
@@ -414,25 +397,6 @@ def confident_width(logits: torch.Tensor, threshold: float) -> int:
     below = torch.cumprod(logits.float().softmax(-1).amax(-1), -1) < threshold  # [B, K]
     first = torch.where(below.any(-1), below.int().argmax(-1), k)  # [B]: the first row under it, else K
     return max(1, int(first.max()))
-
-
-def cut_logits(hidden: torch.Tensor, logits_of, threshold: float) -> torch.Tensor:
-    """`confident_width`'s rows of a one-request block, their logits computed CUT_CHUNK rows at a time: the LM head
-    stops at the chunk where the running product of the top probabilities falls under `threshold` (most blocks keep a
-    few rows; on the CPU each head row is a [1, H] x [H, V] product). The same rows as the whole block's cut."""
-    # hidden: [1, K, H]; logits_of: [1, c, H] -> [1, c, V] processed logits; returns [1, k, V]
-    parts, path = [], torch.ones(1, device=hidden.device)  # the running product before the chunk
-    for s in range(0, hidden.shape[1], CUT_CHUNK):
-        logits = logits_of(hidden[:, s:s + CUT_CHUNK])
-        # cumprod from the carried product: left to right, the very products of the whole block's cumprod
-        run = torch.cumprod(torch.cat([path, logits.float().softmax(-1).amax(-1)[0]]), 0)[1:]  # [c]
-        below = (run < threshold).nonzero()
-        if below.numel():
-            parts.append(logits[:, :max(1, s + int(below[0])) - s])
-            return torch.cat(parts, dim=1)
-        parts.append(logits)
-        path = run[-1:]
-    return torch.cat(parts, dim=1)
 
 
 def slot_width(cfg, num_draft: int) -> int:

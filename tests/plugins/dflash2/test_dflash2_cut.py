@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from draftflow.plugins.dflash.dflash2_plugin import PARAMS
-from draftflow.plugins.dflash.plugin import confident_width, cut_logits
+from draftflow.plugins.dflash.dflash2_plugin import PARAMS, confident_width
 from draftflow.plugins.dflash.plugin import PARAMS as DFLASH_PARAMS
 
 
@@ -58,19 +57,3 @@ def test_the_width_matches_a_loop_over_random_blocks():
 def test_the_param_is_declared_off_by_default_and_never_negative(params):
     spec = next(p for p in params if p.name == "min_path_prob")
     assert spec.type == "float" and spec.default == 0.0 and spec.below_minimum(-0.1) == -0.1
-
-
-def test_the_chunked_head_keeps_the_rows_of_the_whole_blocks_cut_and_computes_fewer():
-    """`cut_logits` (the eager one-request path) against `confident_width` on the whole block's logits: the rows it
-    feeds the head are the logits themselves here (an identity head), so both see the same numbers."""
-    gen = torch.Generator().manual_seed(1)
-    computed, shorter = [], 0
-    for trial in range(300):
-        whole = torch.randn(1, 1 + trial % 15, 40, generator=gen) * (0.5 + 6 * torch.rand(1, generator=gen))
-        for threshold in (0.005, 0.05, 0.3):
-            computed.clear()
-            got = cut_logits(whole, lambda rows: computed.append(rows.shape[1]) or rows, threshold)
-            assert torch.equal(got, whole[:, :confident_width(whole, threshold)])
-            assert sum(computed) <= whole.shape[1] and all(c <= 4 for c in computed)
-            shorter += sum(computed) < whole.shape[1]
-    assert shorter > 100  # most cut blocks stop their head early
