@@ -103,10 +103,6 @@ class CycleCosts:
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self.seen: dict[tuple[int, int], int] = {}  # cycle index of the last measurement
 
-    @property
-    def ms(self) -> dict[tuple[int, int], float]:
-        return {key: min(values) for key, values in self.samples.items()}
-
     def add(self, batch: int, k: int, ms: float, cycle: int) -> None:
         key = (bucket(batch), k)
         self.samples.setdefault(key, deque(maxlen=COST_SAMPLES)).append(ms)
