@@ -17,7 +17,8 @@ from draftflow.core.yamlio import Located, key_path, load_yaml_file, load_yaml_t
 MAX_BATCH = 256  # request slots a graph may ask for
 MAX_TENSOR_PARALLEL = 64  # ranks a target may be sharded over
 TOP_KEYS = ("name", "description", "extends", "device", "dtype", "vram_budget", "num_draft", "max_batch", "max_context", "debug",
-            "tensor_parallel", "nodes", "edges")
+            "tensor_parallel", "per_device", "nodes", "edges")
+DEVICE_KINDS = ("cpu", "cuda")  # the keys of a graph's per_device section
 NODE_KEYS = ("plugin", "params")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 _EDGE = re.compile(r"^\s*([A-Za-z_][\w-]*)\.(\w+)\s*->\s*([A-Za-z_][\w-]*)\.(\w+)\s*(\(carried\))?\s*$")
@@ -110,6 +111,8 @@ class GraphSpec:
         if not isinstance(data, dict):
             raise SpecError(f"{source}: the top level is {_kind(data)}, but a graph must be a mapping with 'nodes:' "
                             "(and optionally 'edges:'); see graphs/demo.yaml")
+        if "per_device" in data:  # a dict that did not come through apply_overrides (which resolves it)
+            data = apply_overrides(data, [], located=loc)
         for key in data:
             if key not in TOP_KEYS:
                 raise SpecError(f"{loc.at(key)}: unknown key {key!r}; {did_you_mean(key, TOP_KEYS)}")
@@ -207,6 +210,11 @@ def _merge(base: dict, child: dict) -> dict:
                     out["nodes"][name] = body
         elif key == "edges" and isinstance(value, list) and isinstance(out.get("edges"), list):
             out["edges"] = out["edges"] + [e for e in value if e not in out["edges"]]
+        elif key == "per_device" and isinstance(value, dict) and isinstance(out.get("per_device"), dict):
+            for kind, settings in value.items():  # a child's settings for a kind add to (and win over) the base's
+                base_settings = out["per_device"].get(kind)
+                both = isinstance(base_settings, dict) and isinstance(settings, dict)
+                out["per_device"][kind] = {**base_settings, **settings} if both else settings
         else:
             out[key] = value
     return out
@@ -257,8 +265,8 @@ def _override_path(parts: list[str], data: dict, where: str) -> tuple:
         if not rest:
             raise SpecError(f"{where}: set one param at a time: nodes.{parts[1]}.params.<param>=<value>")
         return ("nodes", parts[1], "params", *rest)
-    if parts[0] == "extends":
-        raise SpecError(f"{where}: 'extends' is read with the file and cannot be overridden; edit the graph file")
+    if parts[0] in ("extends", "per_device"):
+        raise SpecError(f"{where}: {parts[0]!r} is read with the file and cannot be overridden; edit the graph file")
     if parts[0] not in TOP_KEYS:
         raise SpecError(f"{where}: unknown key {'.'.join(parts)!r}; {did_you_mean(parts[0], TOP_KEYS)}")
     if len(parts) > 1:
@@ -267,37 +275,72 @@ def _override_path(parts: list[str], data: dict, where: str) -> tuple:
 
 
 def apply_overrides(data: dict, overrides: list, source: str = "--set", located: Located | None = None) -> dict:
-    """Apply ``key.path=value`` overrides; ``nodes.X.P=v`` is short for ``nodes.X.params.P=v``.
+    """Apply the graph's ``per_device`` settings for the device it runs on, then ``key.path=value`` overrides.
 
-    Values are YAML, read under the rules of a graph file. With ``located``, later errors about an
-    overridden value name the override that gave it rather than a line of the file. An override is
-    ``"KEY=VALUE"`` (errors name it ``--set 'KEY=VALUE'``) or ``(label, "KEY=VALUE")`` for one that
-    another flag stands for, e.g. ``("--device 'cuda'", "device=cuda")``.
+    ``nodes.X.P=v`` is short for ``nodes.X.params.P=v``. Values are YAML, read under the rules of a graph
+    file. With ``located``, later errors about an overridden value name the override (or the
+    ``per_device`` line) that gave it rather than a line of the file. An override is ``"KEY=VALUE"``
+    (errors name it ``--set 'KEY=VALUE'``) or ``(label, "KEY=VALUE")`` for one that another flag stands
+    for, e.g. ``("--device 'cuda'", "device=cuda")``. The device is the graph's after the overrides, so
+    ``--device cuda`` picks ``per_device.cuda``; the overrides are applied last and win over it.
     """
     out = copy.deepcopy(data)
+    parsed = []
     for entry in overrides:
         where, item = entry if isinstance(entry, tuple) else (f"{source} {entry!r}", entry)
         if "=" not in item:
             raise SpecError(f"{where}: expected KEY=VALUE, e.g. nodes.target.params.kv_mode=grow or num_draft=8")
         key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(p.strip() for p in parts):
-            raise SpecError(f"{where}: the key {key!r} has an empty part; write KEY=VALUE, e.g. num_draft=8 or nodes.target.kv_mode=grow")
-        path = _override_path(parts, out, where)
-        value = load_yaml_value(raw, where) if raw != "" else ""
-        parent = out
-        for i, p in enumerate(path[:-1]):
-            if parent.get(p) is None:
-                parent[p] = {}
-            elif not isinstance(parent[p], dict):
-                inside = key_path(path[:i + 1])
-                raise SpecError(f"{where}: {inside} is {_kind(parent[p])}, not a mapping, so {path[i + 1]!r} cannot be set "
-                                f"inside it; set {inside} itself")
-            parent = parent[p]
-        parent[path[-1]] = value
-        if located is not None:
-            located.replace(path, where)
+        parsed.append((key, load_yaml_value(raw, where) if raw != "" else "", where))
+    section = out.pop("per_device", None)
+    if section is not None:
+        device = next((v for k, v, _ in reversed(parsed) if k.strip() == "device"), out.get("device", "cpu"))
+        for key, value, where in per_device_settings(section, device, located or Located("<graph>")):
+            _assign(out, key, value, where, located)
+    for key, value, where in parsed:
+        _assign(out, key, value, where, located)
     return out
+
+
+def per_device_settings(section: Any, device: Any, loc: Located) -> list:
+    """The (key, value, where) settings a graph's ``per_device`` section gives a run on ``device``."""
+    if not isinstance(section, dict):
+        raise SpecError(f"{loc.at('per_device')}: per_device must be a mapping of device kind ({', '.join(DEVICE_KINDS)}) "
+                        "-> settings, e.g. per_device: {cuda: {nodes.drafter.min_path_prob: 0}}")
+    for kind, settings in section.items():
+        if kind not in DEVICE_KINDS:
+            raise SpecError(f"{loc.at('per_device', kind)}: per_device: {shorten(repr(kind))} is not a device kind; "
+                            f"write one of {', '.join(DEVICE_KINDS)} (cuda covers cuda:N)")
+        if not isinstance(settings, dict):
+            raise SpecError(f"{loc.at('per_device', kind)}: per_device.{kind} must be a mapping of KEY: VALUE, the keys "
+                            "--set takes (e.g. nodes.drafter.min_path_prob: 0)")
+        for key in settings:
+            if not isinstance(key, str) or key.strip().split(".")[0] in ("device", "per_device"):
+                raise SpecError(f"{loc.at('per_device', kind, key)}: per_device.{kind}: {shorten(repr(key))} cannot be set "
+                                "per device; write the keys --set takes, other than device")
+    kind = device.split(":")[0] if isinstance(device, str) else None  # a bad device is reported with the rest of the graph
+    settings = section.get(kind) or {}
+    return [(key, value, f"{loc.at('per_device', kind, key)}: per_device.{kind}") for key, value in settings.items()]
+
+
+def _assign(out: dict, key: str, value: Any, where: str, located: Located | None) -> None:
+    """Set the value a ``--set`` key names in ``out`` (in place)."""
+    parts = key.strip().split(".")
+    if not all(p.strip() for p in parts):
+        raise SpecError(f"{where}: the key {key!r} has an empty part; write KEY=VALUE, e.g. num_draft=8 or nodes.target.kv_mode=grow")
+    path = _override_path(parts, out, where)
+    parent = out
+    for i, p in enumerate(path[:-1]):
+        if parent.get(p) is None:
+            parent[p] = {}
+        elif not isinstance(parent[p], dict):
+            inside = key_path(path[:i + 1])
+            raise SpecError(f"{where}: {inside} is {_kind(parent[p])}, not a mapping, so {path[i + 1]!r} cannot be set "
+                            f"inside it; set {inside} itself")
+        parent = parent[p]
+    parent[path[-1]] = value
+    if located is not None:
+        located.replace(path, where)
 
 
 def load_graph(path: Path | str, overrides: list[str] = ()) -> GraphSpec:

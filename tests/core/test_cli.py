@@ -38,6 +38,19 @@ def test_user_errors_are_one_line(toy_env, tmp_path):
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
 
 
+def test_generate_takes_the_graphs_per_device_settings(toy_env, tmp_path):
+    """A graph's per_device.cpu reaches a CPU run through the CLI; --spec still wins; a bad section exits 1 in one line."""
+    graph = tmp_path / "g.yaml"
+    graph.write_text(f"extends: {FIXTURES / 'good_toy.yaml'}\nper_device:\n  cpu: {{num_draft: 2}}\n  cuda: {{num_draft: 9}}\n")
+    for extra, k in (([], 2), (["--spec", "4"], 4)):
+        r = run_cli(["generate", "--graph", graph, "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json", *extra], env=toy_env)
+        assert r.returncode == 0, r.stderr
+        assert len(json.loads(r.stdout)["stats"]["per_position_acceptance"]) == k
+    graph.write_text(f"extends: {FIXTURES / 'good_toy.yaml'}\nper_device:\n  tpu: {{num_draft: 2}}\n")
+    r = run_cli(["check", graph], env=toy_env)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "g.yaml:3:3: per_device: 'tpu' is not a device kind" in r.stderr, r.stderr
+
+
 def test_usage_error_exits_2(toy_env):
     """An unknown flag is a usage error (exit 2)."""
     assert run_cli(["generate", "--no-such-flag"], env=toy_env).returncode == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from helpers import FIXTURES
@@ -191,3 +192,74 @@ def test_override_from_another_flag_is_named_by_that_flag():
     """An override given as (label, KEY=VALUE), e.g. what --device stands for, is blamed on that label."""
     with pytest.raises(SpecError, match=r"^--device 'banana': device 'banana' is not"):
         load_graph(FIXTURES / "good_toy.yaml", [("--device 'banana'", "device=banana")])
+
+
+PER_DEVICE = """
+extends: {base}
+per_device:
+  cpu: {{num_draft: 2}}
+  cuda:
+    num_draft: 9
+    nodes.drafter.wrong_at: [5]
+"""
+
+
+def _per_device_graph(tmp_path, text=PER_DEVICE):
+    graph = tmp_path / "g.yaml"
+    graph.write_text(text.format(base=FIXTURES / "good_toy.yaml"))
+    return graph
+
+
+def test_per_device_settings_follow_the_device_and_set_wins(tmp_path):
+    """per_device.KIND applies for the device after --set/--device (cuda:N is cuda); explicit overrides still win."""
+    graph = _per_device_graph(tmp_path)
+    cpu = load_graph(graph)
+    assert cpu.device == "cpu" and cpu.num_draft == 2 and cpu.node("drafter").params["wrong_at"] == [2]
+    cuda = load_graph(graph, [("--device 'cuda:1'", "device=cuda:1")])
+    assert cuda.num_draft == 9 and cuda.node("drafter").params["wrong_at"] == [5]
+    assert load_graph(graph, ["num_draft=4", "device=cuda"]).num_draft == 4
+    assert load_graph(graph, ["device=cuda", "device=cpu"]).num_draft == 2  # the last --set device decides
+
+
+def test_per_device_merges_through_extends(tmp_path):
+    """A child's per_device.KIND adds to the base's key by key, its own keys winning."""
+    base = _per_device_graph(tmp_path)
+    child = tmp_path / "child.yaml"
+    child.write_text(f"extends: {base}\nper_device:\n  cuda: {{num_draft: 11}}\n")
+    spec = load_graph(child, ["device=cuda"])
+    assert spec.num_draft == 11 and spec.node("drafter").params["wrong_at"] == [5]
+
+
+@pytest.mark.parametrize("section, message", [
+    ("per_device: [cuda]", r"g\.yaml:2:\d+: per_device must be a mapping of device kind"),
+    ("per_device: {gpu: {num_draft: 3}}", r"g\.yaml:2:\d+: per_device: 'gpu' is not a device kind; write one of cpu, cuda"),
+    ("per_device: {cuda: 3}", r"g\.yaml:2:\d+: per_device\.cuda must be a mapping of KEY: VALUE"),
+    ("per_device: {cpu: {device: cuda}}", r"g\.yaml:2:\d+: per_device\.cpu: 'device' cannot be set per device"),
+    ("per_device: {cpu: {nodes.nope.x: 1}}", r"g\.yaml:2:\d+: per_device\.cpu: no node 'nope' in the graph"),
+])
+def test_per_device_errors_name_the_line(tmp_path, section, message):
+    """A malformed per_device section is one error at its file:line, checked whatever the device."""
+    graph = tmp_path / "g.yaml"
+    graph.write_text(f"extends: {FIXTURES / 'good_toy.yaml'}\n{section}\n")
+    with pytest.raises(SpecError, match=message):
+        load_graph(graph)
+
+
+def test_per_device_cannot_be_set(tmp_path):
+    with pytest.raises(SpecError, match="'per_device' is read with the file and cannot be overridden"):
+        load_graph(FIXTURES / "good_toy.yaml", ["per_device.cuda.num_draft=3"])
+
+
+def test_a_per_device_value_error_names_its_line(tmp_path):
+    """A bad value from per_device is blamed on the per_device line, not the node's."""
+    graph = _per_device_graph(tmp_path, "extends: {base}\nper_device:\n  cpu: {{num_draft: 99}}\n")
+    with pytest.raises(SpecError, match=r"g\.yaml:3:\d+: per_device\.cpu: num_draft must be an integer from 0 to 64"):
+        load_graph(graph)
+
+
+def test_shipped_demo_graphs_cut_blocks_on_the_cpu_only():
+    """The demo graphs cut drafter blocks by confidence on the CPU and verify whole blocks on CUDA (docs/GRAPHS.md)."""
+    graphs = Path(__file__).resolve().parents[2] / "graphs"
+    for name, node in (("demo.yaml", "dflash2"), ("demo-dflash.yaml", "drafter"), ("demo-dflash2.yaml", "drafter")):
+        assert load_graph(graphs / name).node(node).params["min_path_prob"] == 0.01
+        assert load_graph(graphs / name, ["device=cuda"]).node(node).params["min_path_prob"] == 0
