@@ -345,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             write_file(Path(a.gguf), lambda tmp: hf_to_gguf(out, tmp, target=a.target))
     final = result.evaluations[-1][1]
     print(f"wrote {out}: step {result.steps}, held-out " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    if result.stopped_by:
+        print(f"note: {result.stopped_by} ended the run at step {result.steps} of {a.steps}: {out} holds the drafter "
+              f"trained so far; the same command with --resume continues the run from {checkpoint_path(a)}",
+              file=sys.stderr)
     passes = round(result.steps * a.batch_size / a.regen_windows, 2) if a.labels == "regenerate" else None
     if passes is not None and passes > POOL_PASSES:
         print(f"note: {result.steps} steps of {a.batch_size} windows went over the {a.regen_windows} regenerated "
@@ -358,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             "resumed_from": result.start_step, "train_seconds": round(result.elapsed_s),
             "wall_seconds": round(time.perf_counter() - t0), "train_tokens": int(data.train.numel()),
             "first_loss": _mean(v for _, v in losses[:10]), "last_loss": _mean(v for _, v in losses[-10:]),
-            "evaluations": result.evaluations}
+            "evaluations": result.evaluations, "stopped_by": result.stopped_by}
         if passes is not None:
             summary["regen_passes"] = passes  # training windows drawn over the regenerated pool's size
         if result.parts:  # e.g. DFlash2: token_loss, selector_loss, recall (means of the first / last 10 steps)

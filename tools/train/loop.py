@@ -22,12 +22,18 @@ evaluations and checkpoint writes too (wall time of the loop), so a run with fre
 evaluations still ends on time. Checkpoints hold the step, the
 elapsed time, the module, the optimizer and every random state, so `resume` continues the
 same run.
+
+SIGTERM or SIGINT (Ctrl-C, a scheduler's or `timeout`'s stop) ends the run after its current step as the
+end of a time budget does: checkpoint, held-out evaluation, and the caller writes the drafter trained so
+far (`TrainResult.stopped_by` names the signal). A second signal acts as it would have.
 """
 
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -112,6 +118,34 @@ class TrainResult:
     losses: list[tuple[int, float]]
     evaluations: list[tuple[int, dict]]
     parts: list[tuple[int, dict]] = attrs.Factory(list)  # (step, {name: value}) when the recipe has loss_parts
+    stopped_by: str | None = None  # "SIGTERM" / "SIGINT" when a signal ended the run early
+
+
+class StopSignals:
+    """While entered (main thread only), the first SIGTERM / SIGINT is recorded in `name` instead of acting;
+    a second one is handed to the handler that was there before (so it stops the process as usual)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._before: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._before = {sig: signal.signal(sig, self._record) for sig in self.SIGNALS}
+        return self
+
+    def _record(self, signum, frame) -> None:
+        if self.name is None:
+            self.name = signal.Signals(signum).name
+            return
+        signal.signal(signum, self._before[signum])
+        signal.raise_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
 
 
 class Progress:
@@ -214,40 +248,44 @@ def train(recipe, sampler, opts: TrainOptions, label: str = "train", log: Callab
 
     recipe.module.train()
     smooth = None
-    while fraction() < 1.0:
-        t0 = time.perf_counter()
-        factor = lr_factor(fraction(), opts.warmup)
-        for g in opt.param_groups:
-            g["lr"] = opts.lr * factor
-        batch = sampler.batch(opts.batch_size)
-        tokens, first = batch if isinstance(batch, tuple) else (batch, None)  # [B, S], [B] or None
-        tokens = tokens.to(opts.device)
-        if hasattr(recipe, "progress"):
-            recipe.progress = fraction()
-        with _autocast(opts):
-            loss = recipe.loss(tokens) if first is None else recipe.loss(tokens, first_anchor=first)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, opts.clip)
-        opt.step()
-        step += 1
-        value = float(loss.detach())
-        losses.append((step, value))
-        if getattr(recipe, "loss_parts", None):
-            parts.append((step, {k: float(v) for k, v in recipe.loss_parts.items()}))
-        smooth = value if smooth is None else 0.9 * smooth + 0.1 * value
-        rate = (step - start_step) / max(1e-9, elapsed + time.perf_counter() - t0 - start_elapsed)
-        left = min((opts.steps - step) / max(rate, 1e-9), (opts.time_budget_s - elapsed) if opts.time_budget_s else math.inf)
-        progress.update(step, smooth, opts.lr * factor, rate, max(0.0, left))
-        if opts.eval_every and step % opts.eval_every == 0:
-            evaluate()
-        if opts.save_every and step % opts.save_every == 0:
-            save()
-        elapsed += time.perf_counter() - t0  # evaluations and checkpoints count: the budget is wall time
+    with StopSignals() as stop:
+        while fraction() < 1.0 and stop.name is None:
+            t0 = time.perf_counter()
+            factor = lr_factor(fraction(), opts.warmup)
+            for g in opt.param_groups:
+                g["lr"] = opts.lr * factor
+            batch = sampler.batch(opts.batch_size)
+            tokens, first = batch if isinstance(batch, tuple) else (batch, None)  # [B, S], [B] or None
+            tokens = tokens.to(opts.device)
+            if hasattr(recipe, "progress"):
+                recipe.progress = fraction()
+            with _autocast(opts):
+                loss = recipe.loss(tokens) if first is None else recipe.loss(tokens, first_anchor=first)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, opts.clip)
+            opt.step()
+            step += 1
+            value = float(loss.detach())
+            losses.append((step, value))
+            if getattr(recipe, "loss_parts", None):
+                parts.append((step, {k: float(v) for k, v in recipe.loss_parts.items()}))
+            smooth = value if smooth is None else 0.9 * smooth + 0.1 * value
+            rate = (step - start_step) / max(1e-9, elapsed + time.perf_counter() - t0 - start_elapsed)
+            left = min((opts.steps - step) / max(rate, 1e-9), (opts.time_budget_s - elapsed) if opts.time_budget_s else math.inf)
+            progress.update(step, smooth, opts.lr * factor, rate, max(0.0, left))
+            if opts.eval_every and step % opts.eval_every == 0:
+                evaluate()
+            if opts.save_every and step % opts.save_every == 0:
+                save()
+            elapsed += time.perf_counter() - t0  # evaluations and checkpoints count: the budget is wall time
+    if stop.name:
+        save()  # first: a scheduler's hard kill may follow its stop signal
+        say(f"{label}: {stop.name} at step {step} of {opts.steps}: the run ends here")
     if not evaluations or evaluations[-1][0] != step or opts.eval_decode_tokens:
         evaluate(final=True)
     save()
-    return TrainResult(start_step, step, elapsed, losses, evaluations, parts)
+    return TrainResult(start_step, step, elapsed, losses, evaluations, parts, stop.name)
 
 
 def _load_checkpoint(path, device) -> dict:
