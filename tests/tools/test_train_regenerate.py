@@ -105,6 +105,8 @@ def test_cli_trains_dflash_on_regenerated_windows(tmp_path):
     s = json.loads(summary.read_text())
     assert s["steps"] == 30 and s["last_loss"] < s["first_loss"] - 0.3, s
     assert s["regen_passes"] == 3.75 and "went over the" not in r.stderr  # 30 x 8 / 64: no note
+    parts = s["read_text_seconds"] + s["load_target_seconds"] + s["tokenize_seconds"]
+    assert 0 < parts <= s["setup_seconds"] + 0.2 and f"set up in {s['setup_seconds']:.1f} s" in r.stderr, s
     assert (tmp_path / "d" / "model.safetensors").exists()
 
 

@@ -233,6 +233,7 @@ def _mask_id(a, tokenizer, vocab: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     a, files, named = parse_args(argv)
     from draftflow.tools.train.data import TokenData, WindowSampler, read_texts, source_files, tokenizer_encoder
     from draftflow.tools.train.loop import TrainOptions, init_weights, train
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         where = " ".join(a.data) if a.data else "this machine's Python sources"
         raise DraftflowError(f"no training text found in {where}; pass --data with .py, .txt or .md files (files "
                              "under 200 bytes or over 200 kB inside folders are skipped)")
+    read_s = time.perf_counter() - started
     import torch
 
     from draftflow.tools.train.checks import check_device
@@ -255,13 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     if getattr(a, "gguf", None):
         _check_gguf_target(a.target)  # before training, not after: the drafter file copies the target's tokenizer
+    t_load = time.perf_counter()
     loaded = _load_target(a.target, a.device)
+    load_s = time.perf_counter() - t_load
     target, tcfg = loaded.model, loaded.config
     if a.seq_len > tcfg.max_position_embeddings:
         raise DraftflowError(f"--seq-len {a.seq_len}: longer than the target's context of {tcfg.max_position_embeddings} "
                              "tokens; use a shorter window")
     eos = loaded.eos_ids[0] if loaded.eos_ids else 0
+    t_tok = time.perf_counter()
     data = TokenData.from_texts(texts, tokenizer_encoder(loaded.tokenizer), eos_id=eos, seed=a.seed)
+    tokenize_s = time.perf_counter() - t_tok
     sampler = WindowSampler(data, a.seq_len, seed=a.seed)
     labels = a.labels
     if a.labels == "regenerate":  # labels exact everywhere (MTP) / in the written part (blocks: first_anchor)
@@ -323,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
                         resume=a.resume, time_budget_s=a.time_budget_min * 60 if a.time_budget_min else None,
                         device=a.device)
     trainable = sum(p.numel() for p in recipe.module.parameters() if p.requires_grad)
+    setup = {"setup_seconds": round(time.perf_counter() - started, 1), "read_text_seconds": round(read_s, 1),
+             "load_target_seconds": round(load_s, 1), "tokenize_seconds": round(tokenize_s, 1)}
     intro = (f"train {a.recipe}: {trainable / 1e6:.2f} M parameters, {data.train.numel()} training tokens from "
-             f"{data.documents} documents, target {a.target}")
+             f"{data.documents} documents, target {a.target}; set up in {setup['setup_seconds']:.1f} s, labels included (reading the "
+             f"text {read_s:.1f} s, loading the target {load_s:.1f} s, tokenizing {tokenize_s:.1f} s)")
     t0 = time.perf_counter()
     try:
         result = train(recipe, sampler, opts, label=a.recipe, intro=intro)
@@ -362,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             "resumed_from": result.start_step, "train_seconds": round(result.elapsed_s),
             "wall_seconds": round(time.perf_counter() - t0), "train_tokens": int(data.train.numel()),
             "first_loss": _mean(v for _, v in losses[:10]), "last_loss": _mean(v for _, v in losses[-10:]),
-            "evaluations": result.evaluations, "stopped_by": result.stopped_by}
+            "evaluations": result.evaluations, "stopped_by": result.stopped_by, **setup}
         if passes is not None:
             summary["regen_passes"] = passes  # training windows drawn over the regenerated pool's size
         if result.parts:  # e.g. DFlash2: token_loss, selector_loss, recall (means of the first / last 10 steps)
