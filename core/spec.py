@@ -315,9 +315,10 @@ def per_device_settings(section: Any, device: Any, loc: Located) -> list:
             raise SpecError(f"{loc.at('per_device', kind)}: per_device.{kind} must be a mapping of KEY: VALUE, the keys "
                             "--set takes (e.g. nodes.drafter.min_path_prob: 0)")
         for key in settings:
-            if not isinstance(key, str) or key.strip().split(".")[0] in ("device", "per_device"):
+            if not isinstance(key, str) or key.strip().split(".")[0] in ("device", "per_device", "tensor_parallel"):
                 raise SpecError(f"{loc.at('per_device', kind, key)}: per_device.{kind}: {shorten(repr(key))} cannot be set "
-                                "per device; write the keys --set takes, other than device")
+                                "per device (the device picks the section; tensor_parallel decides how many processes "
+                                "start before it is read); write the keys --set takes, other than these")
     kind = device.split(":")[0] if isinstance(device, str) else None  # a bad device is reported with the rest of the graph
     settings = section.get(kind) or {}
     return [(key, value, f"{loc.at('per_device', kind, key)}: per_device.{kind}") for key, value in settings.items()]

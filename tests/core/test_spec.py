@@ -235,6 +235,7 @@ def test_per_device_merges_through_extends(tmp_path):
     ("per_device: {gpu: {num_draft: 3}}", r"g\.yaml:2:\d+: per_device: 'gpu' is not a device kind; write one of cpu, cuda"),
     ("per_device: {cuda: 3}", r"g\.yaml:2:\d+: per_device\.cuda must be a mapping of KEY: VALUE"),
     ("per_device: {cpu: {device: cuda}}", r"g\.yaml:2:\d+: per_device\.cpu: 'device' cannot be set per device"),
+    ("per_device: {cuda: {tensor_parallel: 2}}", r"g\.yaml:2:\d+: per_device\.cuda: 'tensor_parallel' cannot be set"),
     ("per_device: {cpu: {nodes.nope.x: 1}}", r"g\.yaml:2:\d+: per_device\.cpu: no node 'nope' in the graph"),
 ])
 def test_per_device_errors_name_the_line(tmp_path, section, message):
