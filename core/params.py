@@ -99,8 +99,10 @@ def did_you_mean(name: str, options) -> str:
     return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(options)) or 'none'}"
 
 
-def validate_params(schema: tuple[ParamSpec, ...], raw: dict, base_dir: Path | None):
-    """Check ``raw`` against ``schema``; return (params with defaults filled, [(field, problem, fix)])."""
+def validate_params(schema: tuple[ParamSpec, ...], raw: dict, base_dir: Path | None, dirs: dict | None = None):
+    """Check ``raw`` against ``schema``; return (params with defaults filled, [(field, problem, fix)]).
+
+    Relative paths are taken relative to ``dirs[name]`` (the folder of the file that wrote the param) or ``base_dir``."""
     by_name = {p.name: p for p in schema}
     out: dict[str, Any] = {}
     problems: list[tuple[str, str, str]] = []
@@ -110,7 +112,7 @@ def validate_params(schema: tuple[ParamSpec, ...], raw: dict, base_dir: Path | N
             problems.append((key, f"unknown parameter {key!r}", f"remove it or rename it; {did_you_mean(key, by_name)}"))
             continue
         try:
-            value = _convert(spec, value, base_dir)
+            value = _convert(spec, value, (dirs or {}).get(key) or base_dir)
         except ValueError as exc:
             problems.append((key, f"parameter {key!r}: {exc}, got {shorten(repr(value))}", f"set {key} to a {spec.type} value"))
             continue

@@ -185,7 +185,8 @@ def _resolve_nodes(plan: GraphPlan, registry: Registry) -> None:
                          f"{did_you_mean(node.plugin, registry.node_types)} (`draftflow plugins` lists them)",
                          where=plan.spec.at("nodes", node.name, "plugin"))
             continue
-        params, issues = validate_params(node_type.params, node.params, plan.spec.base_dir)
+        dirs = {key: plan.spec.dir_of("nodes", node.name, "params", key) for key in node.params}
+        params, issues = validate_params(node_type.params, node.params, plan.spec.base_dir, dirs)
         for field, message, fix in issues:
             plan.problems.append(Problem(node.name, "param", message, fix, node_type.name,
                                          plan.spec.at("nodes", node.name, "params", field)))

@@ -19,7 +19,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_plan(plan: GraphPlan) -> str:
     spec = plan.spec
-    lines = [f"graph {spec.name} ({spec.source}): OK", f"device {spec.device}, dtype {spec.dtype}, num_draft {spec.num_draft}", ""]
+    lines = [f"graph {spec.name} ({spec.source}): OK", f"device {spec.device}, dtype {spec.dtype}, num_draft {spec.num_draft}",
+             *(f"per_device {line}" for line in spec.per_device), ""]
     lines.append("execution order: " + " -> ".join(f"{n} [{plan.nodes[n].node_type.name}, {plan.nodes[n].manifest.role}]" for n in plan.order))
     lines.append("")
     lines.append("edges:")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from draftflow.core.errors import DraftflowError, PluginError, RequestError, SpecError
 from draftflow.core.node import SamplingParams
-from draftflow.core.spec import GraphSpec, apply_overrides, load_graph
+from draftflow.core.spec import GraphSpec, load_graph, resolve_graph
 from draftflow.core.yamlio import Located
 from draftflow.core.tracing import JsonlSink, check_trace_path
 
@@ -198,8 +198,8 @@ class Session:
         if graph_dict is None:
             raise SpecError("no graph: pass a graph file or --target")
         loc = Located("<command line>")  # errors about a --set value then name that --set
-        return GraphSpec.from_dict(apply_overrides(graph_dict, list(overrides), located=loc), source="<command line>", located=loc,
-                                   base_dir=Path.cwd())
+        data, taken = resolve_graph(graph_dict, list(overrides), located=loc)
+        return GraphSpec.from_dict(data, source="<command line>", located=loc, base_dir=Path.cwd(), per_device=taken)
 
     @classmethod
     def plan_only(cls, graph_path: Path | None = None, overrides=(), graph_dict: dict | None = None, registry: Registry | None = None) -> GraphPlan:

@@ -93,6 +93,7 @@ class GraphSpec:
     max_context: int | None = None
     debug: bool = False
     tensor_parallel: int = 1  # ranks the target is sharded over (docs/TENSOR_PARALLEL.md)
+    per_device: tuple[str, ...] = ()  # the per_device settings this run took, e.g. "cuda: nodes.drafter.min_path_prob=0"
     source: str = "<graph>"
     base_dir: Path | None = None
     located: Located | None = attrs.field(default=None, eq=False, repr=False)
@@ -103,16 +104,25 @@ class GraphSpec:
     def at(self, *path) -> str:
         return self.located.at(*path) if self.located else self.source
 
+    def dir_of(self, *path) -> Path | None:
+        """The folder a relative path at this key is relative to: the file that wrote the key (a base graph's own
+        folder for what it passes on through `extends`), else `base_dir` (the graph file's; overrides)."""
+        written = self.located.file_of(*path) if self.located else None
+        if written and self.base_dir is not None and not written.startswith("<"):
+            return Path(written).resolve().parent
+        return self.base_dir
+
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<graph>", located: Located | None = None, base_dir: Path | None = None) -> "GraphSpec":
+    def from_dict(cls, data: Any, source: str = "<graph>", located: Located | None = None, base_dir: Path | None = None,
+                  per_device: tuple[str, ...] = ()) -> "GraphSpec":
         loc = located or Located(source)
         if data is None or data == {}:
             raise SpecError(f"{source}: the graph is empty; it needs 'nodes:' (see graphs/demo.yaml for an example)")
         if not isinstance(data, dict):
             raise SpecError(f"{source}: the top level is {_kind(data)}, but a graph must be a mapping with 'nodes:' "
                             "(and optionally 'edges:'); see graphs/demo.yaml")
-        if "per_device" in data:  # a dict that did not come through apply_overrides (which resolves it)
-            data = apply_overrides(data, [], located=loc)
+        if "per_device" in data:  # a dict that did not come through resolve_graph
+            data, per_device = resolve_graph(data, [], located=loc)
         for key in data:
             if key not in TOP_KEYS:
                 raise SpecError(f"{loc.at(key)}: unknown key {key!r}; {did_you_mean(key, TOP_KEYS)}")
@@ -183,6 +193,7 @@ class GraphSpec:
             max_context=max_context,
             debug=debug,
             tensor_parallel=tensor_parallel,
+            per_device=tuple(per_device),
             source=source,
             base_dir=base_dir,
             located=loc,
@@ -275,6 +286,11 @@ def _override_path(parts: list[str], data: dict, where: str) -> tuple:
 
 
 def apply_overrides(data: dict, overrides: list, source: str = "--set", located: Located | None = None) -> dict:
+    """`resolve_graph`'s dict."""
+    return resolve_graph(data, overrides, source, located)[0]
+
+
+def resolve_graph(data: dict, overrides: list, source: str = "--set", located: Located | None = None) -> tuple[dict, tuple]:
     """Apply the graph's ``per_device`` settings for the device it runs on, then ``key.path=value`` overrides.
 
     ``nodes.X.P=v`` is short for ``nodes.X.params.P=v``. Values are YAML, read under the rules of a graph
@@ -282,7 +298,8 @@ def apply_overrides(data: dict, overrides: list, source: str = "--set", located:
     ``per_device`` line) that gave it rather than a line of the file. An override is ``"KEY=VALUE"``
     (errors name it ``--set 'KEY=VALUE'``) or ``(label, "KEY=VALUE")`` for one that another flag stands
     for, e.g. ``("--device 'cuda'", "device=cuda")``. The device is the graph's after the overrides, so
-    ``--device cuda`` picks ``per_device.cuda``; the overrides are applied last and win over it.
+    ``--device cuda`` picks ``per_device.cuda``; the overrides are applied last and win over it. Returns the
+    graph dict and the per_device settings taken, as ``"KIND: KEY=VALUE"`` lines.
     """
     out = copy.deepcopy(data)
     parsed = []
@@ -292,14 +309,15 @@ def apply_overrides(data: dict, overrides: list, source: str = "--set", located:
             raise SpecError(f"{where}: expected KEY=VALUE, e.g. nodes.target.params.kv_mode=grow or num_draft=8")
         key, raw = item.split("=", 1)
         parsed.append((key, load_yaml_value(raw, where) if raw != "" else "", where))
-    section = out.pop("per_device", None)
+    section, taken = out.pop("per_device", None), []
     if section is not None:
         device = next((v for k, v, _ in reversed(parsed) if k.strip() == "device"), out.get("device", "cpu"))
         for key, value, where in per_device_settings(section, device, located or Located("<graph>")):
             _assign(out, key, value, where, located)
+            taken.append(f"{device.split(':')[0]}: {key}={value}")
     for key, value, where in parsed:
         _assign(out, key, value, where, located)
-    return out
+    return out, tuple(taken)
 
 
 def per_device_settings(section: Any, device: Any, loc: Located) -> list:
@@ -347,12 +365,13 @@ def _assign(out: dict, key: str, value: Any, where: str, located: Located | None
 def load_graph(path: Path | str, overrides: list[str] = ()) -> GraphSpec:
     """Read, merge ``extends``, apply overrides and validate a graph file."""
     data, loc = read_graph_dict(Path(path))
-    data = apply_overrides(data, list(overrides), located=loc)
-    return GraphSpec.from_dict(data, source=str(path), located=loc, base_dir=Path(path).resolve().parent)
+    data, taken = resolve_graph(data, list(overrides), located=loc)
+    return GraphSpec.from_dict(data, source=str(path), located=loc, base_dir=Path(path).resolve().parent, per_device=taken)
 
 
 def graph_from_text(text: str, source: str = "<graph>", overrides: list[str] = ()) -> GraphSpec:
     data, loc = load_yaml_text(text, source)
+    taken = ()
     if isinstance(data, dict):
-        data = apply_overrides(data, list(overrides), located=loc)
-    return GraphSpec.from_dict(data, source=source, located=loc, base_dir=None)
+        data, taken = resolve_graph(data, list(overrides), located=loc)
+    return GraphSpec.from_dict(data, source=source, located=loc, base_dir=None, per_device=taken)

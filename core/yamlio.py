@@ -30,6 +30,7 @@ class Located:
     def __init__(self, source: str):
         self.source = source
         self.marks: dict[tuple, str] = {}
+        self.files: dict[tuple, str] = {}  # key path -> the source (a file's path) that wrote it; none for overrides
 
     def at(self, *path) -> str:
         # Fall back to the nearest parent that has a mark, then the file itself.
@@ -41,13 +42,21 @@ class Located:
 
     def merge(self, other: "Located") -> None:
         for key, mark in other.marks.items():
-            self.marks.setdefault(key, mark)
+            if key not in self.marks:
+                self.marks[key] = mark
+                if key in other.files:
+                    self.files[key] = other.files[key]
+
+    def file_of(self, *path) -> str | None:
+        """The source that wrote exactly this key path (for a file, its path); None for an override or unknown."""
+        return self.files.get(tuple(path))
 
     def replace(self, path: tuple, mark: str) -> None:
         """``path`` (and everything under it) now comes from ``mark``, e.g. a ``--set`` on the command line."""
         n = len(path)
         for key in [k for k in self.marks if k[:n] == path]:
             del self.marks[key]
+            self.files.pop(key, None)
         self.marks[path] = mark
 
 
@@ -142,6 +151,7 @@ class _Reader:
                 raise SpecError(f"{self.mark(key_node)}: key {key!r} appears twice; keep one")
             written.add(key)
             self.loc.marks[path + (key,)] = self.mark(key_node)
+            self.loc.files[path + (key,)] = self.loc.source
             out[key] = self.read(value_node, path + (key,))
         return out
 

@@ -46,6 +46,8 @@ def test_generate_takes_the_graphs_per_device_settings(toy_env, tmp_path):
         r = run_cli(["generate", "--graph", graph, "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json", *extra], env=toy_env)
         assert r.returncode == 0, r.stderr
         assert len(json.loads(r.stdout)["stats"]["per_position_acceptance"]) == k
+    r = run_cli(["check", graph], env=toy_env)
+    assert r.returncode == 0 and "num_draft 2\nper_device cpu: num_draft=2\n" in r.stdout, r.stdout
     graph.write_text(f"extends: {FIXTURES / 'good_toy.yaml'}\nper_device:\n  tpu: {{num_draft: 2}}\n")
     r = run_cli(["check", graph], env=toy_env)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "g.yaml:3:3: per_device: 'tpu' is not a device kind" in r.stderr, r.stderr
@@ -137,3 +139,18 @@ def test_generate_summary_names_the_dtype_it_ran():
                      "--max-new-tokens", "4", *flags])
         assert r.returncode == 0, r.stderr
         assert re.search(rf" tok/s(, \d+ threads?)?, {dtype}, finish: length\]", r.stderr), r.stderr
+
+
+def test_an_inherited_path_is_relative_to_the_file_that_wrote_it(tmp_path):
+    """A graph in another folder that extends a shipped one finds the base's models (its paths are relative to the
+    base file); a path the child writes itself is relative to the child."""
+    from helpers import ROOT
+
+    child = tmp_path / "mine.yaml"
+    child.write_text(f"extends: {ROOT / 'graphs' / 'demo-dflash.yaml'}\nnum_draft: 7\n")
+    r = run_cli(["check", child])
+    assert r.returncode == 0 and "num_draft 7" in r.stdout, r.stderr
+    child.write_text(f"extends: {ROOT / 'graphs' / 'demo-dflash.yaml'}\nnodes:\n  target:\n    params: {{path: my/target}}\n")
+    r = run_cli(["check", child])
+    assert r.returncode == 1 and f"{tmp_path / 'my' / 'target'}: no such model directory" in r.stderr, r.stderr
+    assert "models/demo/dflash" not in r.stderr  # the inherited drafter path still resolves
