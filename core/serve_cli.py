@@ -12,7 +12,7 @@ from draftflow.core.listen import check_listen
 from draftflow.core.server import ServeConfig, serve
 from draftflow.core.serving import Engine
 from draftflow.core.session import Session
-from draftflow.core.spec import MAX_BATCH, apply_overrides, read_graph_dict
+from draftflow.core.spec import MAX_BATCH, read_graph_dict, resolve_graph
 
 
 def batch_overrides(graph: Path, overrides: list, max_batch: str | None) -> list:
@@ -25,7 +25,7 @@ def batch_overrides(graph: Path, overrides: list, max_batch: str | None) -> list
         return [*overrides, (f"--max-batch {value}", f"max_batch={value}")]
     try:
         data, located = read_graph_dict(graph)
-        data = apply_overrides(data, list(overrides), located=located)
+        data = resolve_graph(data, list(overrides), located=located)[0]
     except DraftflowError:  # Session.open reports it together with every other problem
         return list(overrides)
     return list(overrides) if "max_batch" in data else [*overrides, ("max_batch auto (serve's default)", "max_batch=auto")]

@@ -285,11 +285,6 @@ def _override_path(parts: list[str], data: dict, where: str) -> tuple:
     return (parts[0],)
 
 
-def apply_overrides(data: dict, overrides: list, source: str = "--set", located: Located | None = None) -> dict:
-    """`resolve_graph`'s dict."""
-    return resolve_graph(data, overrides, source, located)[0]
-
-
 def resolve_graph(data: dict, overrides: list, source: str = "--set", located: Located | None = None) -> tuple[dict, tuple]:
     """Apply the graph's ``per_device`` settings for the device it runs on, then ``key.path=value`` overrides.
 
@@ -312,16 +307,17 @@ def resolve_graph(data: dict, overrides: list, source: str = "--set", located: L
     section, taken = out.pop("per_device", None), []
     if section is not None:
         device = next((v for k, v, _ in reversed(parsed) if k.strip() == "device"), out.get("device", "cpu"))
-        for key, value, where in per_device_settings(section, device, located or Located("<graph>")):
+        kind, settings = per_device_settings(section, device, located or Located("<graph>"))
+        for key, value, where in settings:
             _assign(out, key, value, where, located)
-            taken.append(f"{device.split(':')[0]}: {key}={value}")
+            taken.append(f"{kind}: {key}={value}")
     for key, value, where in parsed:
         _assign(out, key, value, where, located)
     return out, tuple(taken)
 
 
-def per_device_settings(section: Any, device: Any, loc: Located) -> list:
-    """The (key, value, where) settings a graph's ``per_device`` section gives a run on ``device``."""
+def per_device_settings(section: Any, device: Any, loc: Located) -> tuple[str | None, list]:
+    """The device kind and the (key, value, where) settings a graph's ``per_device`` section gives a run on ``device``."""
     if not isinstance(section, dict):
         raise SpecError(f"{loc.at('per_device')}: per_device must be a mapping of device kind ({', '.join(DEVICE_KINDS)}) "
                         "-> settings, e.g. per_device: {cuda: {nodes.drafter.min_path_prob: 0}}")
@@ -339,7 +335,7 @@ def per_device_settings(section: Any, device: Any, loc: Located) -> list:
                                 "start before it is read); write the keys --set takes, other than these")
     kind = device.split(":")[0] if isinstance(device, str) else None  # a bad device is reported with the rest of the graph
     settings = section.get(kind) or {}
-    return [(key, value, f"{loc.at('per_device', kind, key)}: per_device.{kind}") for key, value in settings.items()]
+    return kind, [(key, value, f"{loc.at('per_device', kind, key)}: per_device.{kind}") for key, value in settings.items()]
 
 
 def _assign(out: dict, key: str, value: Any, where: str, located: Located | None) -> None:

@@ -254,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     setup = {"setup_seconds": round(time.perf_counter() - started, 1), "read_text_seconds": round(read_s, 1),
              "load_target_seconds": round(load_s, 1), "tokenize_seconds": round(tokenize_s, 1)}
     intro = (f"train {a.recipe}: {trainable / 1e6:.2f} M parameters, {data.train.numel()} training tokens from "
-             f"{data.documents} documents, target {a.target}; set up in {setup['setup_seconds']:.1f} s, labels included (reading the "
-             f"text {read_s:.1f} s, loading the target {load_s:.1f} s, tokenizing {tokenize_s:.1f} s)")
+             f"{data.documents} documents, target {a.target}; set up in {setup['setup_seconds']} s, labels included (reading the "
+             f"text {setup['read_text_seconds']} s, loading the target {setup['load_target_seconds']} s, tokenizing "
+             f"{setup['tokenize_seconds']} s)")
     t0 = time.perf_counter()
     try:
         result = train(recipe, sampler, opts, label=a.recipe, intro=intro)
