@@ -49,3 +49,16 @@ def test_out_may_not_be_the_target_even_with_overwrite(tmp_path):
     with pytest.raises(DraftflowError, match="pass --overwrite"):
         check_outputs(_args(tmp_path), [])
     check_outputs(_args(tmp_path, overwrite=True), [])
+
+
+def test_an_earlier_runs_regenerated_pool_is_not_a_foreign_file(tmp_path):
+    """A second run into the same --out finds the first run's files, the kept label pool included: no --overwrite."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("model.safetensors", "checkpoint.pt", "checkpoint.pt.regen.pt"):
+        (out / name).write_bytes(b"x")
+    (out / "config.json").write_text('{"architectures": ["DFlashDraftModel"], "block_size": 16}')
+    check_outputs(_args(tmp_path), [])
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(DraftflowError, match=r"does not write \(notes\.txt\)"):
+        check_outputs(_args(tmp_path), [])

@@ -326,7 +326,7 @@ def _prompt_range(text: str | None, seq: int, width: int, anchors: int) -> tuple
 def _regenerated(a, loaded, sampler, width: int, anchors: int):
     import torch
 
-    from draftflow.tools.train.output import checkpoint_path
+    from draftflow.tools.train.output import regen_cache_path
     from draftflow.tools.train.regenerate import RegeneratedSampler
 
     lo, hi = _prompt_range(a.prompt_len, a.seq_len, width, anchors)
@@ -337,8 +337,7 @@ def _regenerated(a, loaded, sampler, width: int, anchors: int):
     # batched greedy generation: a GPU takes thousands of rows per forward, a CPU does best with a few hundred
     rows = 4096 if torch.device(a.device).type == "cuda" else 512
     # kept next to the checkpoint; read back under --resume (the pool a resumed run started on, not paid for twice)
-    checkpoint = checkpoint_path(a)
-    cache = checkpoint.with_name(checkpoint.name + ".regen.pt")
+    cache = regen_cache_path(a)
     share = a.regen_body_share
     token_text = [loaded.tokenizer.decode([i]) for i in range(loaded.tokenizer.get_vocab_size())] if share else None
     regen = RegeneratedSampler(sampler, loaded.model, (lo, hi), a.regen_windows, seed=a.seed, batch_size=rows,

@@ -305,18 +305,42 @@ def _load_checkpoint(path, device) -> dict:
 def greedy_continuation(target: TargetModel, prefix: torch.Tensor, n: int, taps: tuple[int, ...]):
     """The target's greedy `n` tokens after `prefix`, and its taps over the prefix (inference code path)."""
     # prefix: [1, P]; returns ([n] int64, [1, P, n_taps*H])
-    cfg = target.config
-    cache = KVCache.from_static(torch.empty(static_shape(cfg, 1, prefix.shape[1] + n), dtype=target.norm.weight.dtype,
-                                            device=prefix.device))
-    logits, feats = target(prefix, 0, cache, logit_rows=1, tap_layers=taps)
-    cache.commit(prefix.shape[1])
+    tokens, feats = greedy_continuations(target, prefix, n, taps)
+    return tokens[0], feats
+
+
+def greedy_continuations(target: TargetModel, prefixes: torch.Tensor, n: int, taps: tuple[int, ...]):
+    """`greedy_continuation` for a batch of equal-length prefixes [B, P]: ([B, n] int64, [B, P, n_taps*H])."""
+    cache = KVCache.from_static(torch.empty(static_shape(target.config, prefixes.shape[0], prefixes.shape[1] + n),
+                                            dtype=target.norm.weight.dtype, device=prefixes.device))
+    logits, feats = target(prefixes, 0, cache, logit_rows=1, tap_layers=taps)
+    cache.commit(prefixes.shape[1])
     out = []
     for _ in range(n):
-        tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+        tok = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
         out.append(tok)
         logits, _ = target(tok, cache.length, cache, logit_rows=1)
         cache.commit(cache.length + 1)
-    return torch.cat(out, dim=1)[0], feats
+    return torch.cat(out, dim=1), feats
+
+
+def _batched_prefixes(target: TargetModel, windows: list[torch.Tensor], n: int, taps: tuple[int, ...], rows: int = 32):
+    """Per window (in order): its midpoint prefix [1, P], the target's greedy `n` tokens after it [n] and the taps over
+    the prefix [1, P, *]; windows of one length run as batches of up to `rows` (one decode loop per batch)."""
+    device = target.norm.weight.device
+    out: list = [None] * len(windows)
+    by_len: dict[int, list[int]] = {}
+    for i, w in enumerate(windows):
+        by_len.setdefault(w.numel(), []).append(i)
+    for length, idx in by_len.items():
+        p = max(2, length // 2)
+        for lo in range(0, len(idx), rows):
+            part = idx[lo:lo + rows]
+            prefixes = torch.stack([windows[i][:p] for i in part]).to(device)  # [b, P]
+            truth, feats = greedy_continuations(target, prefixes, n, taps)
+            for j, i in enumerate(part):
+                out[i] = (prefixes[j:j + 1], truth[j], feats[j:j + 1])
+    return out
 
 
 def estimate_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: tuple[int, ...], num_draft: int,
@@ -331,10 +355,7 @@ def estimate_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: 
     numbers (`tau_decode`, `acceptance_decode`).
     """
     accepted: dict[str, list[int]] = {}
-    for w in windows:
-        p = max(2, w.numel() // 2)
-        prefix = w[:p][None].to(target.norm.weight.device)  # [1, P]
-        truth, feats = greedy_continuation(target, prefix, num_draft, taps)
+    for prefix, truth, feats in _batched_prefixes(target, windows, num_draft, taps):
         drafted = propose(prefix, feats, num_draft)  # [K] or {name: [K]}
         for name, drafts in (drafted if isinstance(drafted, dict) else {"": drafted}).items():
             accepted.setdefault(name, []).append(_agreed(drafts, truth, num_draft))
@@ -358,14 +379,12 @@ def decode_acceptance(target: TargetModel, windows: list[torch.Tensor], taps: tu
     K: each cycle offers min(K, tokens left - 1) drafts, accepts the longest prefix that matches the
     target's greedy continuation and emits one more token. tau = tokens / cycles over all windows;
     `acceptance_decode` = accepted drafts / offered drafts. A drafter returning named sets is decoded
-    with its main set (`""`).
+    with its main set (`""`). The target's continuations are computed in batches (windows of one length).
     """
     device = target.norm.weight.device
     tokens = cycles = accepted = offered = 0
-    for w in windows:
-        p = max(2, w.numel() // 2)
-        prefix = w[:p][None].to(device)  # [1, P]
-        truth, _ = greedy_continuation(target, prefix, new_tokens + num_draft, taps)
+    for prefix, truth, _ in _batched_prefixes(target, windows, new_tokens + num_draft, taps):
+        p = prefix.shape[1]
         seq = torch.cat([prefix, truth[None]], dim=1)  # [1, P + new_tokens + K]: what verification emits
         cache = KVCache.from_static(torch.empty(static_shape(target.config, 1, seq.shape[1]),
                                                 dtype=target.norm.weight.dtype, device=device))

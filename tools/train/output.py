@@ -36,6 +36,12 @@ def checkpoint_path(a) -> Path:
     return Path(a.checkpoint) if a.checkpoint else Path(a.out) / CHECKPOINT
 
 
+def regen_cache_path(a) -> Path:
+    """Where `--labels regenerate` keeps its pool of regenerated windows: beside the checkpoint."""
+    checkpoint = checkpoint_path(a)
+    return checkpoint.with_name(checkpoint.name + ".regen.pt")
+
+
 def check_outputs(a, data_files: list[Path]) -> None:
     """Refuse, before training, any output that would overwrite an input or a folder the user did not make for us."""
     out = _real(a.out)
@@ -77,7 +83,8 @@ def check_outputs(a, data_files: list[Path]) -> None:
         if name in ("--gguf", "--summary") and not real.parent.is_dir() and real.parent != out:
             raise DraftflowError(f"{label}: the folder {path.parent} does not exist; create it first")
     if out.is_dir() and not a.overwrite:
-        _check_previous_output(a, out, {CHECKPOINT} | {p.name for _, p in outputs if _real(p).parent == out})
+        kept = outputs + [("", regen_cache_path(a))]  # an earlier run's regenerated pool is this run's file too
+        _check_previous_output(a, out, {CHECKPOINT} | {p.name for _, p in kept if _real(p).parent == out})
 
 
 def _check_previous_output(a, out: Path, ours: set[str]) -> None:

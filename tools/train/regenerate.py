@@ -46,36 +46,43 @@ from draftflow.tools.train.data import WindowSampler, body_starts
 
 @torch.no_grad()
 def regenerate(target: TargetModel, prompts: torch.Tensor, length: int, batch_size: int = 512,
-               temperature: float = 0.0, seed: int = 0) -> torch.Tensor:
+               temperature: float = 0.0, seed: int = 0, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
     """`prompts` [N, P] followed by the target's tokens up to `length` positions: [N, length] int64.
 
     temperature 0: greedy; > 0: sampled from softmax(logits / temperature) with a generator seeded by `seed`
-    (sampled labels, for drafters that will draft at T > 0)."""
+    (sampled labels, for drafters that will draft at T > 0). `prompt_lens` [N]: row i's prompt is only its first
+    `prompt_lens[i]` tokens (ragged prompts in one batch: a row is fed its own prompt tokens until they run out,
+    then the target's)."""
     n, p = prompts.shape
+    lens = torch.full((n,), p, dtype=torch.long) if prompt_lens is None else prompt_lens.long().cpu()
     dev = target.norm.weight.device
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     out = torch.empty(n, length, dtype=torch.long)
     out[:, :p] = prompts
     for lo in range(0, n, batch_size):
-        rows = prompts[lo:lo + batch_size].to(dev)  # [b, P]
+        rows, row_lens = prompts[lo:lo + batch_size].to(dev), lens[lo:lo + batch_size]  # [b, P], [b]
+        start = int(row_lens.min())
+        own = row_lens.to(dev)[:, None]  # [b, 1]
         cache = KVCache.from_static(torch.empty(static_shape(target.config, rows.shape[0], length),
                                                 dtype=target.norm.weight.dtype, device=dev))
-        logits, _ = target(rows, 0, cache, logit_rows=1)
-        cache.commit(p)
+        logits, _ = target(rows[:, :start], 0, cache, logit_rows=1)
+        cache.commit(start)
         written = []
-        for _ in range(length - p):
+        for pos in range(start, length):
             last = logits[:, -1].float()  # [b, V]
             if gen is None:
                 tok = last.argmax(-1, keepdim=True)  # [b, 1]
             else:
                 tok = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=gen)  # [b, 1]
+            if pos < p:  # rows whose prompt is longer are fed their own token
+                tok = torch.where(own > pos, rows[:, pos:pos + 1], tok)
             written.append(tok)
-            if len(written) == length - p:
+            if pos == length - 1:
                 break
             logits, _ = target(tok, cache.length, cache, logit_rows=1)
             cache.commit(cache.length + 1)
         if written:
-            out[lo:lo + rows.shape[0], p:] = torch.cat(written, dim=1).cpu()
+            out[lo:lo + rows.shape[0], start:] = torch.cat(written, dim=1).cpu()
     return out
 
 
@@ -147,15 +154,14 @@ class RegeneratedSampler:
         """The held-out windows regenerated like the pool (held-out text prompts, the target's continuations) and
         their first anchors: `([N, S], [N])`; None when the held-out text is shorter than one window."""
         pick = torch.Generator().manual_seed(self.seed + 31)
-        rows, firsts = [], []
-        for w in self.base.held_out(count):
-            if w.numel() != self.seq_len:
-                continue
-            p = int(torch.randint(self.prompt_len[0], self.prompt_len[1] + 1, (1,), generator=pick))
-            rows.append(regenerate(self.target, w[None, :p], self.seq_len, temperature=self.temperature,
-                                   seed=(self.seed + 37 + len(rows)) % 2**63)[0])
-            firsts.append(p - 1)
-        return (torch.stack(rows), torch.tensor(firsts)) if rows else None
+        windows = [w for w in self.base.held_out(count) if w.numel() == self.seq_len]
+        if not windows:
+            return None
+        lo, hi = self.prompt_len
+        lens = torch.randint(lo, hi + 1, (len(windows),), generator=pick)  # [N]
+        rows = regenerate(self.target, torch.stack(windows), self.seq_len, temperature=self.temperature,
+                          seed=(self.seed + 37) % 2**63, prompt_lens=lens)  # one batch: ragged prompts
+        return rows, lens - 1
 
 
 def _fingerprint(tensors) -> list[float]:
