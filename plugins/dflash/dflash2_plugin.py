@@ -51,7 +51,7 @@ from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
 from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, confident_width, shortcut_hooks,
-                                             slot_width, tap_layer_check, trained_for)
+                                             defer_check, slot_width, tap_layer_check, trained_for)
 from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
 from draftflow.plugins.dflash.selector_graphs import GreedyWalkGraphs
 
@@ -268,6 +268,7 @@ def backbone(path: str):
 
 check_tap_layers = tap_layer_check("dflash2", lambda path: backbone(path).target_layer_ids)
 check_target = wrong_target_check("dflash2", lambda params: trained_for(backbone(params["path"])))
+check_defer = defer_check("dflash2")
 
 
 def check_selector_source(plan):
@@ -312,6 +313,7 @@ def draftflow_register_nodes(registry):
 def draftflow_add_checks(registry):
     registry.add_check("dflash2-taps", check_tap_layers)
     registry.add_check("dflash2-target", check_target)
+    registry.add_check("dflash2-defer", check_defer)
     registry.add_check("dflash2-source", check_selector_source)
     registry.add_check("dflash2-unused", check_candidates_used)
 

@@ -427,6 +427,45 @@ def tap_layer_check(kind: str, layer_ids):
 check_tap_layers = tap_layer_check("dflash", lambda path: read_config(path).target_layer_ids)
 
 
+def defer_check(kind: str):
+    """A check that every `kind` node deferring to a proposal (its `defer` input) defers from the draft count at
+    which a `first-nonempty` mixer takes that proposal instead (`defer_min` == the mixer's `min_tokens`).
+
+    Below it, cycles where the other proposal is too short for the mixer draft nothing at all; above it, the block
+    drafted in cycles the mixer gives to the other proposal is thrown away.
+    """
+
+    def check(plan):
+        for name, node in plan.nodes.items():
+            if node.node_type.name != kind:
+                continue
+            for edge in (e for e in plan.inputs_of(name) if e.dst_port == "defer"):
+                need = node.params["defer_min"]
+                for mix, mixer in plan.nodes.items():
+                    if mixer.node_type.name != "mixer" or mixer.params.get("policy") != "first-nonempty":
+                        continue
+                    ports = [e.dst_port for e in plan.inputs_of(mix) if (e.src, e.src_port) == (edge.src, edge.src_port)]
+                    take = mixer.params["min_tokens"]
+                    if not ports or ports[0] == mixer.params["inputs"][-1] or need == take:
+                        continue  # not the mixer's preferred input (the last one is its fallback), or consistent
+                    span = f"{min(need, take)}" + (f"-{max(need, take) - 1}" if abs(need - take) > 1 else "")
+                    span += " draft" if span == "1" else " drafts"
+                    if need < take:
+                        what = (f"drafts nothing in cycles where '{edge.src}' offers {span}, which mixer '{mix}' "
+                                f"does not take (its min_tokens is {take}): those cycles verify no drafts")
+                    else:
+                        what = (f"drafts in cycles where '{edge.src}' offers {span}, which mixer '{mix}' takes "
+                                f"instead (its min_tokens is {take}): that block is thrown away")
+                    yield Problem(name, f"{kind}-defer", f"defer_min {need} {what}",
+                                  f"set nodes.{name}.params.defer_min={take} (or nodes.{mix}.params.min_tokens={need})",
+                                  kind, plan.spec.node(name).where if plan.spec.node(name) else "")
+
+    return check
+
+
+check_defer = defer_check("dflash")
+
+
 def trained_for(cfg) -> dict:
     """What a DFlash(2) backbone config records about the target it was trained for."""
     return {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "layers": cfg.num_target_layers}
@@ -447,6 +486,7 @@ def draftflow_register_nodes(registry):
 def draftflow_add_checks(registry):
     registry.add_check("dflash-taps", check_tap_layers)
     registry.add_check("dflash-target", check_target)
+    registry.add_check("dflash-defer", check_defer)
 
 
 def shortcut_hooks(kind: str, backbone):

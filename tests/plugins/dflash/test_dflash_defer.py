@@ -91,3 +91,31 @@ def test_the_cli_runs_a_deferring_graph_with_target_only_tokens(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["compare"]["identical"] is True and out["stats"]["accepted"] > 0
+
+
+def _mixer_min_tokens(graph, value: int):
+    data = yaml.safe_load(graph.read_text())
+    data["nodes"]["mix"]["params"]["min_tokens"] = value
+    graph.write_text(yaml.safe_dump(data))
+    return graph
+
+
+def test_defer_min_below_the_mixers_min_tokens_is_a_check_problem(tmp_path):
+    """defer_min 2 beside min_tokens 3: cycles where lookup offers 2 drafts would verify none; one line, the fix."""
+    graph = _mixer_min_tokens(_graph(tmp_path / "g.yaml", defer=True), 3)
+    r = run_cli(["check", str(graph)], cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = [ln for ln in (r.stdout + r.stderr).splitlines() if "[dflash-defer]" in ln]
+    assert len(line) == 1 and "node 'drafter'" in line[0] and "offers 2 drafts" in line[0], r.stdout + r.stderr
+    assert "fix: set nodes.drafter.params.defer_min=3 (or nodes.mix.params.min_tokens=2)" in line[0]
+    assert run_cli(["check", str(graph), "--set", "nodes.drafter.params.defer_min=3"], cwd=tmp_path).returncode == 0
+
+
+def test_dflash2_defer_min_above_the_mixers_min_tokens_is_a_check_problem(tmp_path):
+    """defer_min 4 beside min_tokens 2: the block drafted when lookup offers 2-3 drafts is thrown away."""
+    graph = _graph(tmp_path / "g.yaml", defer=True, drafter="dflash2", defer_min=4)
+    r = run_cli(["generate", "--graph", str(graph), "--prompt-ids", "3,4,5"], cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "[dflash2-defer]: defer_min 4 drafts in cycles where 'lookup' offers 2-3 drafts" in r.stderr, r.stderr
+    no_edge = _graph(tmp_path / "plain.yaml", defer=False, drafter="dflash2", defer_min=4)  # no defer input: no rule
+    assert run_cli(["check", str(no_edge)], cwd=tmp_path).returncode == 0
