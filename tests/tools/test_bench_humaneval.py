@@ -191,3 +191,49 @@ def test_a_negative_cut_is_one_line_and_exit_2(capsys):
     assert main(["--demo", str(DEMO), "--cut", "-1", "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --cut -1: min_path_prob is a probability; give one above 0, or leave --cut out"], err
+
+
+def _graph_file(path, drafter: bool = True, target=DEMO / "target"):
+    from draftflow.plugins.dflash.loader import read_artifact
+
+    taps = list(read_artifact(DEMO / "dflash").config.target_layer_ids)
+    nodes = {"target": {"plugin": "target", "params": {"path": str(target), "tap_layers": taps}},
+             "verify": {"plugin": "verifier"}}
+    if drafter:
+        nodes["dflash"] = {"plugin": "dflash", "params": {"path": str(DEMO / "dflash")}}
+    else:
+        nodes["lookup"] = {"plugin": "prompt-lookup"}
+    path.write_text(json.dumps({"name": path.stem, "device": "cpu", "dtype": "float32", "num_draft": 4,
+                                "nodes": nodes}))
+    return path
+
+
+def test_graph_files_are_rows_beside_their_target_alone(tmp_path, capsys):
+    """--graph: each file is a row named by its file name, next to "target only" of its target; a DFlash graph file
+    gives the demo DFlash row's numbers; --set reaches every graph; greedy rows repeat the target-only tokens."""
+    mine, other = _graph_file(tmp_path / "mine.yaml"), _graph_file(tmp_path / "lookup.yaml", drafter=False)
+    out, ref = tmp_path / "g.json", tmp_path / "d.json"
+    common = ["--limit", "2", "--max-new-tokens", "12", "--temperatures", "0"]
+    assert main(["--graph", str(mine), str(other), "--json", str(out), *common]) == 0
+    assert "K = as each graph sets it (at most 4)" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["target only @ T=0", "mine @ T=0", "lookup @ T=0"]
+    assert {r["same_as_target"] for r in rows.values()} == {"2/2"}
+    assert main(["--demo", str(DEMO), "--configs", "DFlash", "--num-draft", "4", "--json", str(ref), *common]) == 0
+    for key in ("tau", "per_position_acceptance"):
+        assert rows["mine @ T=0"][key] == json.loads(ref.read_text())["DFlash @ T=0"][key], key
+    assert main(["--graph", str(mine), "--set", "num_draft=2", "--configs", "mine", "--json", str(out), *common]) == 0
+    assert len(json.loads(out.read_text())["mine @ T=0"]["per_position_acceptance"]) == 2
+
+
+def test_graph_misuse_is_one_line_and_exit_2(tmp_path, capsys):
+    """Demo-only flags with --graph, --set without --graph, and graphs of two targets: one `error:` line each."""
+    mine = _graph_file(tmp_path / "mine.yaml")
+    (tmp_path / "copy").symlink_to(DEMO / "target")  # another target path
+    for argv, want in ((["--graph", str(mine), "--num-draft", "4"], "error: --num-draft: the demo rows' settings"),
+                       (["--set", "num_draft=2"], "error: --set: applies to --graph files"),
+                       (["--graph", str(mine), str(_graph_file(tmp_path / "b.yaml", target=tmp_path / "copy"))],
+                        f"error: --graph: {tmp_path / 'b.yaml'} drafts for {tmp_path / 'copy'} but")):
+        assert main([*argv, "--limit", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(want) and "Traceback" not in err[0], err
