@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     for temp in a.temperatures:
         base = None
         print(f"\ntemperature {temp:g}")
+        if temp > 0 and any(ses.plan.by_role("policy") for ses in sessions.values()):
+            print("note: sampled requests here are seeded (by prompt index), and a seeded request keeps the graph's K, "
+                  "so a policy node does not choose K in these rows; benchmarks/sampled_policy.py runs unseeded ones")
         width = max(24, 5 * a.num_draft + 3)  # "0.55 " per position
         print(f"{'drafter':<24}{'tau':>7}{'accept':>9}{'per-position (1..K)':>{width}}{'tok/s':>9}{'speedup':>9}{'same':>10}")
         if a.interleave:

@@ -237,3 +237,14 @@ def test_graph_misuse_is_one_line_and_exit_2(tmp_path, capsys):
         assert main([*argv, "--limit", "1"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(want) and "Traceback" not in err[0], err
+
+
+def test_a_policy_graph_at_t1_says_its_seeded_rows_keep_k(tmp_path, capsys):
+    """Sampled rows are seeded, and a seeded request keeps the graph's K: a graph with a policy says so at T > 0."""
+    graph = _graph_file(tmp_path / "mine.yaml")
+    data = json.loads(graph.read_text())
+    data["nodes"]["policy"] = {"plugin": "adaptive_k"}
+    graph.write_text(json.dumps(data))
+    assert main(["--graph", str(graph), "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("a policy node does not choose K in these rows") == 1, printed  # at T = 1 only
