@@ -39,6 +39,11 @@ def manifest(params, env) -> Manifest:
     names = params["inputs"]
     if len(names) < 2 or len(set(names)) != len(names) or not all(_PORT.match(n) for n in names):
         raise SpecError(f"inputs {list(names)!r}: need two or more distinct lowercase port names, e.g. [a, b]")
+    k, need = env.num_draft, params["min_tokens"]
+    if params["policy"] == "first-nonempty" and 0 < k < need:  # no proposal is wider than the graph's K
+        raise SpecError(f"min_tokens {need} is more than the graph's num_draft {k}: no input can offer that many drafts, "
+                        f"so every cycle takes the last input '{names[-1]}'; set min_tokens to {k} or less, or "
+                        f"num_draft to {need} or more")
     return Manifest(role="drafter",
                     inputs=tuple(Port(n, "proposal", doc=f"proposal #{i + 1} in order of preference") for i, n in enumerate(names)),
                     outputs=(Port("proposal", "proposal", doc="the chosen input's proposal, unchanged"),))

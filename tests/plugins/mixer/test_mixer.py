@@ -49,6 +49,18 @@ def test_bad_inputs_param_is_a_check_problem():
     assert any("node 'mix' (mixer) [manifest]" in q and "need two or more distinct lowercase port names" in q for q in found), found
 
 
+def test_min_tokens_above_num_draft_is_a_check_problem():
+    """first-nonempty with min_tokens above the graph's K could never take any input but the last: reported."""
+    def problems(num_draft, policy="first-nonempty"):
+        spec = GraphSpec.from_dict({"num_draft": num_draft, "nodes": {"mix": {"plugin": "mixer", "params": {
+            "inputs": ["a", "b"], "min_tokens": 3, "policy": policy}}}})
+        return [q.render() for q in build_plan(spec, load_registry()).problems if "[manifest]" in q.render()]
+
+    assert any("min_tokens 3 is more than the graph's num_draft 2" in q and "takes the last input 'b'" in q
+               and "set min_tokens to 2 or less, or num_draft to 3 or more" in q for q in problems(2)), problems(2)
+    assert problems(3) == [] and problems(2, "longest") == []
+
+
 def test_greedy_gate_mtp_and_lookup_through_mixer(mtp_dirs):
     """The shipped MTP + lookup + mixer graph is lossless, accepts drafts, and uses both drafters."""
     ovr = overrides(mtp_dirs)
