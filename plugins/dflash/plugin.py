@@ -432,7 +432,8 @@ def defer_check(kind: str):
     which a `first-nonempty` mixer takes that proposal instead (`defer_min` == the mixer's `min_tokens`).
 
     Below it, cycles where the other proposal is too short for the mixer draft nothing at all; above it, the block
-    drafted in cycles the mixer gives to the other proposal is thrown away.
+    drafted in cycles the mixer gives to the other proposal is thrown away. A proposal deferred to that feeds
+    nothing but `defer` inputs is a problem too: its cycles would verify no drafts.
     """
 
     def check(plan):
@@ -441,6 +442,13 @@ def defer_check(kind: str):
                 continue
             for edge in (e for e in plan.inputs_of(name) if e.dst_port == "defer"):
                 need = node.params["defer_min"]
+                if not any((e.src, e.src_port) == (edge.src, edge.src_port) and e.dst_port != "defer" for e in plan.edges):
+                    yield Problem(name, f"{kind}-defer", f"defers to {edge.src}.{edge.src_port}, which feeds nothing "
+                                  f"else: a cycle where it offers {need} or more drafts verifies none",
+                                  f"wire {edge.src}.{edge.src_port} into a mixer ahead of this drafter (docs/DFLASH.md, "
+                                  f"defer), or drop the edge {edge.src}.{edge.src_port} -> {name}.defer", kind,
+                                  edge.where or (plan.spec.node(name).where if plan.spec.node(name) else ""))
+                    continue
                 for mix, mixer in plan.nodes.items():
                     if mixer.node_type.name != "mixer" or mixer.params.get("policy") != "first-nonempty":
                         continue

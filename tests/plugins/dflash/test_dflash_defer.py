@@ -119,3 +119,18 @@ def test_dflash2_defer_min_above_the_mixers_min_tokens_is_a_check_problem(tmp_pa
     assert "[dflash2-defer]: defer_min 4 drafts in cycles where 'lookup' offers 2-3 drafts" in r.stderr, r.stderr
     no_edge = _graph(tmp_path / "plain.yaml", defer=False, drafter="dflash2", defer_min=4)  # no defer input: no rule
     assert run_cli(["check", str(no_edge)], cwd=tmp_path).returncode == 0
+
+
+def test_deferring_to_a_proposal_that_feeds_nothing_else_is_a_check_problem(tmp_path):
+    """lookup wired only into `defer` (its drafts never verified): one line naming the edge and both fixes."""
+    graph = _graph(tmp_path / "g.yaml", defer=True)
+    data = yaml.safe_load(graph.read_text())
+    data["nodes"].pop("mix")
+    data["edges"] = ["drafter.proposal -> target.proposal", "drafter.proposal -> verify.proposal",
+                     "lookup.proposal -> drafter.defer"]
+    graph.write_text(yaml.safe_dump(data))
+    r = run_cli(["check", str(graph)], cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    line = [ln for ln in (r.stdout + r.stderr).splitlines() if "[dflash-defer]" in ln]
+    assert len(line) == 1 and "defers to lookup.proposal, which feeds nothing else" in line[0], r.stdout + r.stderr
+    assert "drop the edge lookup.proposal -> drafter.defer" in line[0]
