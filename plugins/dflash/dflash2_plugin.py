@@ -46,12 +46,13 @@ from draftflow.plugin import (
     kv_dim,
     wrong_target_check,
 )
+from draftflow.plugins.dflash.checks import defer_check, tap_layer_check
 from draftflow.plugins.dflash.config import drafter_dtype, head_copy_bytes, kv_shape, node_dtype
 from draftflow.plugins.dflash.dflash2_config import weight_bytes
 from draftflow.plugins.dflash.dflash2_loader import load_drafter, read_config
 from draftflow.plugins.dflash.dflash2_model import CandidateSelector, walk
 from draftflow.plugins.dflash.plugin import (CONTEXT_CHUNK, KV_GROW_REASON, DFlash, confident_width, shortcut_hooks,
-                                             defer_check, slot_width, tap_layer_check, trained_for)
+                                             slot_width, trained_for)
 from draftflow.plugins.dflash.plugin import DEFER_DOC, PARAMS as DFLASH_PARAMS
 from draftflow.plugins.dflash.selector_graphs import GreedyWalkGraphs
 
